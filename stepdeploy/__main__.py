@@ -1,0 +1,3 @@
+from stepdeploy.cli.app import main
+
+main()

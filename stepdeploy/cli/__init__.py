@@ -1,0 +1,1 @@
+"""The Typer command-line interface: thin wrappers that parse options and call the package."""

@@ -1,0 +1,65 @@
+"""Root of the `stepdeploy` command: global options, sub-commands, and the error -> exit-code boundary."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from stepdeploy import __version__
+from stepdeploy.cli import inventory as inventory_cmd
+from stepdeploy.cli import later as later_cmd
+from stepdeploy.cli import plan as plan_cmd
+from stepdeploy.cli import sim as sim_cmd
+from stepdeploy.cli.output import err
+from stepdeploy.errors import StepdeployError
+
+EXIT_CODES = """Exit codes: 0 ok, 1 checks or stages failed, 2 bad input, 3 nodes unreachable,
+4 missing prerequisite on this machine (root, host package), 5 not built yet in this version."""
+
+app = typer.Typer(
+    name="stepdeploy",
+    help="Take GPU nodes in an Ansible inventory from a bare OS to a validated Megatron training run.",
+    epilog="Example: stepdeploy sim up --nodes 2 && stepdeploy inventory show "
+    "/var/lib/stepdeploy/sim/sim/inventory.ini\n\n" + EXIT_CODES,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"stepdeploy {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Take GPU nodes in an Ansible inventory from a bare OS to a validated Megatron training run."""
+
+
+app.add_typer(sim_cmd.app, name="sim")
+app.add_typer(inventory_cmd.app, name="inventory")
+app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i inventory/dgx.ini")(plan_cmd.plan)
+later_cmd.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: every StepdeployError becomes one line on stderr and its exit code."""
+    try:
+        app(args=argv, prog_name="stepdeploy")
+    except StepdeployError as exc:
+        err.print(f"error: {exc.message}", markup=False, soft_wrap=True)
+        if exc.hint:
+            err.print(f"hint: {exc.hint}", markup=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted", markup=False)
+        sys.exit(130)
