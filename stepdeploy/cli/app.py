@@ -47,7 +47,9 @@ def root(
 
 app.add_typer(sim_cmd.app, name="sim")
 app.add_typer(inventory_cmd.app, name="inventory")
-app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i inventory/dgx.ini")(plan_cmd.plan)
+app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i inventory/dgx.ini")(
+    plan_cmd.plan
+)
 later_cmd.register(app)
 
 

@@ -11,7 +11,8 @@ import typer
 from stepdeploy.errors import NotImplementedYet
 
 _PENDING = {
-    "provision": ("Run the Ansible roles on every node of INVENTORY.", "stepdeploy provision inventory/dgx.ini"),
+    "provision": ("Run the Ansible roles on every node of INVENTORY.",
+                  "stepdeploy provision inventory/dgx.ini"),
     "preflight": ("Check every node and the cluster before a GPU-day is spent.",
                   "stepdeploy preflight inventory/dgx.ini"),
     "render": ("Render launch scripts for a chosen layout into a run directory.",
@@ -26,7 +27,8 @@ def register(app: typer.Typer) -> None:
     rollout = typer.Typer(help="Staged rollout: warmup, scaling ladder, soak (not built yet).",
                           no_args_is_help=True)
     for verb in ("run", "status", "resume", "stop", "list"):
-        _add(rollout, verb, f"rollout {verb} (not built yet).", f"stepdeploy rollout {verb} ...", prefix="rollout ")
+        _add(rollout, verb, f"rollout {verb} (not built yet).", f"stepdeploy rollout {verb} ...",
+             prefix="rollout ")
     app.add_typer(rollout, name="rollout")
 
 

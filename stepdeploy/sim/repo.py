@@ -1,0 +1,79 @@
+"""The package sources the simulated nodes use, served over HTTP on the bridge: a local apt repository
+(`deb [trusted=yes] http://BRIDGE:PORT/apt ./`) and a wheelhouse (pip find-links). Nodes have no other
+route, so this is also how an air-gapped mirror behaves."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from stepdeploy.errors import BadInput
+from stepdeploy.sim import host
+from stepdeploy.sim.state import SimState, is_ours, process_start_time
+
+
+def repo_dir(state_dir: Path) -> Path:
+    return state_dir / "repo"
+
+
+def ensure_layout(state_dir: Path) -> None:
+    apt = repo_dir(state_dir) / "apt"
+    apt.mkdir(parents=True, exist_ok=True)
+    (repo_dir(state_dir) / "wheels").mkdir(parents=True, exist_ok=True)
+    if not (apt / "Packages").exists():
+        reindex_apt(state_dir)
+
+
+def reindex_apt(state_dir: Path) -> None:
+    apt = repo_dir(state_dir) / "apt"
+    packages = host.run(["dpkg-scanpackages", "--multiversion", "."], env=None, timeout=300,
+                        cwd=apt).stdout
+    (apt / "Packages").write_text(packages)
+    with gzip.open(apt / "Packages.gz", "wt") as fh:
+        fh.write(packages)
+
+
+def publish(state_dir: Path, files: Iterable[Path]) -> list[str]:
+    """Copy .deb files into the apt repository and .whl files into the wheelhouse; reindex apt."""
+    published: list[str] = []
+    debs = False
+    for f in files:
+        if not f.is_file():
+            raise BadInput(f"{f}: no such file")
+        if f.suffix == ".deb":
+            dest = repo_dir(state_dir) / "apt"
+            debs = True
+        elif f.suffix == ".whl":
+            dest = repo_dir(state_dir) / "wheels"
+        else:
+            raise BadInput(f"{f}: only .deb and .whl files can be published")
+        shutil.copy2(f, dest / f.name)
+        published.append(str(dest / f.name))
+    if debs:
+        reindex_apt(state_dir)
+    return published
+
+
+def url(sim: SimState) -> str:
+    return f"http://{sim.bridge_address}:{sim.http_port}"
+
+
+def ensure_server(state_dir: Path, sim: SimState) -> None:
+    """Serve the repository on the bridge address only (never on the host's other interfaces)."""
+    if is_ours(sim.http_pid, sim.http_pid_start):
+        return
+    log = open(state_dir / "http.log", "ab")  # noqa: SIM115 - handed to the child, closed below
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "http.server", str(sim.http_port), "--bind", sim.bridge_address,
+             "--directory", str(repo_dir(state_dir))],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )
+    finally:
+        log.close()
+    sim.http_pid = proc.pid
+    sim.http_pid_start = process_start_time(proc.pid)

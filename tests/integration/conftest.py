@@ -1,0 +1,69 @@
+"""The simulated cluster as a session-scoped fixture (real namespaces, sshd, apt, torch).
+
+These tests need root and the host packages `.ci/run` installs. Where those are missing they skip —
+unless STEPDEPLOY_REQUIRE_SIM=1 (set by .ci/run), where a missing prerequisite fails the run instead of
+silently skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stepdeploy.remote.ssh import Endpoint
+from stepdeploy.sim import host
+from stepdeploy.sim.cluster import SimConfig, down, up
+from stepdeploy.sim.state import SimState
+
+TEST_CLUSTER = "sdtest"
+TEST_SUBNET = "10.78.0.0/24"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)
+
+
+def require_sim() -> None:
+    missing = host.missing_prerequisites(need_build=True)
+    if not missing:
+        return
+    message = "simulated cluster unavailable: " + "; ".join(missing)
+    if os.environ.get("STEPDEPLOY_REQUIRE_SIM") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@dataclass
+class Cluster:
+    cfg: SimConfig
+    state: SimState
+
+    def endpoint(self, node_name: str) -> Endpoint:
+        node = self.state.node(node_name)
+        assert node is not None
+        return Endpoint(host=node.address, key_file=self.cfg.client_key, known_hosts=self.cfg.known_hosts)
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return [self.endpoint(n.name) for n in self.state.nodes]
+
+
+@pytest.fixture(scope="session")
+def sim_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A 2-node simulated cluster shared by the whole test session, torn down (and checked) at the end."""
+    require_sim()
+    cfg = SimConfig(name=TEST_CLUSTER, subnet=TEST_SUBNET, http_port=8080,
+                    state_dir=tmp_path_factory.mktemp("sim") / TEST_CLUSTER)
+    try:
+        state = up(cfg, 2)
+        yield Cluster(cfg=cfg, state=state)
+    finally:
+        report = down(cfg)
+        assert report.leftovers == [], f"sim down left: {report.leftovers}"
