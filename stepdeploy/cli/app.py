@@ -7,6 +7,7 @@ import sys
 import typer
 
 from stepdeploy import __version__
+from stepdeploy.cli import demo as demo_cmd
 from stepdeploy.cli import inventory as inventory_cmd
 from stepdeploy.cli import later as later_cmd
 from stepdeploy.cli import plan as plan_cmd
@@ -47,6 +48,7 @@ def root(
 
 app.add_typer(sim_cmd.app, name="sim")
 app.add_typer(inventory_cmd.app, name="inventory")
+app.command("demo", epilog="Example: stepdeploy demo --nodes 2")(demo_cmd.demo)
 app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i inventory/dgx.ini")(
     plan_cmd.plan
 )

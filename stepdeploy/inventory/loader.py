@@ -1,0 +1,84 @@
+"""load_cluster: an inventory file -> a validated Cluster, or one BadInput line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stepdeploy.errors import BadInput
+from stepdeploy.inventory.ansible_source import read_inventory
+from stepdeploy.inventory.model import Cluster, Node
+from stepdeploy.inventory.nodes import build_node, wanted
+from stepdeploy.stack import get_profile
+
+EXAMPLE = "inventory/dgx.ini"
+
+
+def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+    """Parse an INI or YAML inventory (with its group_vars/ and host_vars/) into a Cluster.
+
+    Every problem with the input is raised as BadInput with one line naming the file, the host and the
+    variable, what was wrong and what is valid; no other exception escapes.
+    """
+    try:
+        return _load(Path(path))
+    except BadInput as exc:
+        raise BadInput(_printable(exc.message), hint=exc.hint) from None
+    except (OSError, ValueError) as exc:  # e.g. a path the OS refuses; NUL bytes in the name
+        raise BadInput(_printable(f"{path}: cannot read the inventory: {exc}")) from None
+
+
+def _load(source: Path) -> Cluster:
+    _check_file(source)
+    raw = read_inventory(source, wanted)
+    if not raw.hosts:
+        raise BadInput(f"{source}: the inventory lists no hosts; add at least one host, "
+                       "e.g. `node1 ansible_host=192.0.2.11` under a [group] header")
+    built = [build_node(host, source) for host in raw.hosts]
+    nodes = [node for node, _ in built]
+    _check_unique_addresses(source, nodes)
+    profile = _shared_profile(source, [(node.name, name) for node, name in built])
+    return Cluster(source=source, nodes=nodes, profile=get_profile(profile) if profile else None,
+                   warnings=raw.warnings)
+
+
+def _check_file(source: Path) -> None:
+    if str(source) in ("", "."):
+        raise BadInput(f"no inventory file given; give the path of an INI or YAML inventory, e.g. {EXAMPLE}")
+    if not source.exists():
+        raise BadInput(f"{source}: no such inventory file; give the path of an INI or YAML inventory, "
+                       f"e.g. {EXAMPLE}")
+    if source.is_dir():
+        raise BadInput(f"{source}: is a directory; give one INI or YAML inventory file in it, e.g. {EXAMPLE}")
+    if not source.is_file():  # a FIFO or device would block or never end
+        raise BadInput(f"{source}: is not a regular file; give an INI or YAML inventory file, e.g. {EXAMPLE}")
+    if not os.access(source, os.R_OK):
+        raise BadInput(f"{source}: cannot be read (permission denied)")
+
+
+def _check_unique_addresses(source: Path, nodes: list[Node]) -> None:
+    seen: dict[tuple[str, int], str] = {}
+    for node in nodes:
+        key = (node.address.lower().rstrip("."), node.ssh.port)
+        if key in seen:
+            raise BadInput(f"{source}: hosts {seen[key]!r} and {node.name!r} both have address "
+                           f"{node.address} port {node.ssh.port}; give each node its own ansible_host "
+                           "(or ansible_port)")
+        seen[key] = node.name
+
+
+def _shared_profile(source: Path, declared: list[tuple[str, str | None]]) -> str | None:
+    profiles = {name for _, name in declared}
+    if len(profiles) <= 1:
+        return next(iter(profiles))
+    listing = ", ".join(f"{host}={name or '(none)'}" for host, name in declared)
+    raise BadInput(f"{source}: stepdeploy_profile differs between nodes ({listing}); all nodes of a "
+                   "cluster run one stack profile: set it once in group_vars/all.yml or [all:vars]")
+
+
+def _printable(message: str) -> str:
+    """One printable line whatever bytes the inventory held (host names can be anything): no newlines,
+    no terminal escape sequences, no lone surrogates."""
+    line = " ".join(message.split())
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    return line.encode("utf-8", "backslashreplace").decode("utf-8")

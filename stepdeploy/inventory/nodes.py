@@ -1,0 +1,146 @@
+"""One host's resolved variables -> a typed Node, or BadInput naming file, host, variable and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stepdeploy.errors import BadInput
+from stepdeploy.inventory import values as v
+from stepdeploy.inventory.ansible_source import RawHost
+from stepdeploy.inventory.model import Node, SshSettings
+from stepdeploy.stack import did_you_mean, profile_names
+
+# Our own variables; anything else starting with `stepdeploy_` is a typo (or a newer stepdeploy's).
+STEPDEPLOY_VARS = (
+    "stepdeploy_gpus_per_node", "stepdeploy_gpu_model", "stepdeploy_arch", "stepdeploy_train_iface",
+    "stepdeploy_fabric", "stepdeploy_ib_hcas", "stepdeploy_profile", "stepdeploy_ssh_known_hosts",
+)
+# Ansible's connection variables we read, newest spelling first (ansible accepts the older aliases too).
+HOST_VARS = ("ansible_host", "ansible_ssh_host")
+PORT_VARS = ("ansible_port", "ansible_ssh_port")
+USER_VARS = ("ansible_user", "ansible_ssh_user")
+KEY_VARS = ("ansible_ssh_private_key_file", "ansible_private_key_file")
+SSH_ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args")
+ANSIBLE_VARS = frozenset(
+    (*HOST_VARS, *PORT_VARS, *USER_VARS, *KEY_VARS, *SSH_ARGS_VARS, "ansible_connection")
+)
+
+
+def wanted(name: str) -> bool:
+    """The variables read_inventory should hand over."""
+    return name.startswith("stepdeploy_") or name in ANSIBLE_VARS
+
+
+class HostVars:
+    """A host's variables with error messages that say where each value was set."""
+
+    def __init__(self, raw: RawHost, source: Path) -> None:
+        self.raw = raw
+        self.source = source
+
+    @property
+    def name(self) -> str:
+        return self.raw.name
+
+    def where(self, key: str | None = None) -> str:
+        return (self.raw.origins.get(key) if key else None) or str(self.source)
+
+    def error(self, key: str, message: str) -> BadInput:
+        return BadInput(f"{self.where(key)}: host {self.name!r}: {key} {message}")
+
+    def first(self, keys: tuple[str, ...]) -> str | None:
+        return next((k for k in keys if self.raw.variables.get(k) is not None), None)
+
+    def read(self, keys: tuple[str, ...] | str, reader: Callable[[Any], Any]) -> Any:
+        """The first of `keys` that is set, converted by `reader`; None when none is set."""
+        key = self.first((keys,) if isinstance(keys, str) else keys)
+        if key is None:
+            return None
+        value = self.raw.variables[key]
+        try:
+            v.reject_template(value)
+            return reader(value)
+        except v.ValueProblem as exc:
+            raise self.error(key, f"= {v.show(value)} {exc.problem}; {exc.valid}") from None
+
+
+def build_node(raw: RawHost, source: Path) -> tuple[Node, str | None]:
+    """The Node for `raw` and the stack profile name it declares (None if it declares none)."""
+    host = HostVars(raw, source)
+    _check_unknown_vars(host)
+    ssh = _ssh_settings(host)
+    node = Node(
+        name=raw.name,
+        address=_address(host, ssh.connection),
+        groups=list(raw.groups),
+        ssh=ssh,
+        gpus_per_node=host.read("stepdeploy_gpus_per_node", v.read_count),
+        gpu_model=host.read("stepdeploy_gpu_model", lambda x: v.read_text(x, "GPU model name", 64)),
+        arch=host.read("stepdeploy_arch", v.read_arch),
+        train_iface=host.read("stepdeploy_train_iface", v.read_netdev),
+        fabric=host.read("stepdeploy_fabric", v.read_fabric),
+        ib_hcas=host.read("stepdeploy_ib_hcas", v.read_hcas) or [],
+    )
+    return node, host.read("stepdeploy_profile", _read_profile_name)
+
+
+def _check_unknown_vars(host: HostVars) -> None:
+    for key in sorted(host.raw.variables):
+        if key.startswith("stepdeploy_") and key not in STEPDEPLOY_VARS:
+            raise host.error(key, f"is not a stepdeploy variable{did_you_mean(key, STEPDEPLOY_VARS)}; "
+                                  f"known: {', '.join(STEPDEPLOY_VARS)}")
+
+
+def _ssh_settings(host: HostVars) -> SshSettings:
+    connection = host.read("ansible_connection", v.read_connection) or "ssh"
+    return SshSettings(
+        user=host.read(USER_VARS, lambda x: v.read_text(x, "user name", 64)),
+        port=host.read(PORT_VARS, v.read_port) or 22,
+        private_key_file=_expand(host.read(KEY_VARS, v.read_path)),
+        known_hosts_file=_expand(_known_hosts(host)),
+        connection=connection,
+    )
+
+
+def _known_hosts(host: HostVars) -> str | None:
+    """stepdeploy_ssh_known_hosts, else the UserKnownHostsFile ansible's ssh arguments already pass."""
+    declared = host.read("stepdeploy_ssh_known_hosts", v.read_path)
+    if declared is not None:
+        return declared
+    for key in SSH_ARGS_VARS:
+        found = host.read(key, v.known_hosts_from_ssh_args)
+        if found:
+            return found
+    return None
+
+
+def _address(host: HostVars, connection: str) -> str:
+    address = host.read(HOST_VARS, v.read_address)
+    if address is not None:
+        return address
+    if connection == "local" or v.is_ip(host.name) or v.is_dotted_hostname(host.name):
+        return host.name
+    raise BadInput(f"{host.where()}: host {host.name!r} has no address: set ansible_host to its IP address "
+                   "or DNS name, or name the host by its IP address or fully qualified DNS name")
+
+
+def _read_profile_name(value: Any) -> str:
+    known = profile_names()
+    if not isinstance(value, str):
+        raise v.ValueProblem("is not a profile name", f"known profiles: {', '.join(known)}")
+    name = value.strip()
+    if name not in known:
+        raise v.ValueProblem(f"is not a known stack profile{did_you_mean(name, known)}",
+                             f"known profiles: {', '.join(known)}")
+    return name
+
+
+def _expand(path: str | None) -> Path | None:
+    if not path:
+        return None
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # '~someone' without such a user: keep it as written, ssh will say
+        return Path(path)
