@@ -1,12 +1,165 @@
-"""`stepdeploy plan` (being built)."""
+"""`stepdeploy plan`: rank parallel layouts by memory and step time; say why the others cannot work.
+
+Exit codes: 0 at least one layout fits (or the --layout given fits), 1 none does, 2 bad input.
+"""
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import typer
+from rich.console import Console
 
-from stepdeploy.errors import NotImplementedYet
+from stepdeploy.catalog import load_hardware, load_model
+from stepdeploy.cli.output import emit_json, info, out
+from stepdeploy.errors import EXIT_FAILED, BadInput, NotImplementedYet
+from stepdeploy.plan import report
+from stepdeploy.plan.cluster import ClusterShape, cluster_shape, shape_from_cluster
+from stepdeploy.plan.layout import Job, Layout, parse_layout
+from stepdeploy.plan.params import count_parameters
+from stepdeploy.plan.search import PlanResult, judge, search, smallest_fitting_cluster
+
+TABLE_WIDTH = 150  # wide tables stay readable when stdout is a pipe (rich assumes 80 columns there)
 
 
-def plan(args: list[str] | None = typer.Argument(None)) -> None:
-    """Rank parallel layouts by memory and step time; refuse what cannot work. [not built yet: exits 5]"""
-    raise NotImplementedYet("`stepdeploy plan` is not built yet in this version")
+def _table(table: Any) -> None:
+    if out.is_terminal:
+        out.print(table)
+        return
+    Console(file=sys.stdout, width=TABLE_WIDTH, highlight=False).print(table)
+
+
+def _inventory_shape(path: str) -> ClusterShape:
+    try:
+        from stepdeploy.inventory import load_cluster  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise NotImplementedYet(
+            "reading an inventory is not built yet in this version",
+            hint="describe the cluster instead: --nodes 2 --gpus-per-node 8 --gpu H200",
+        ) from exc
+    return shape_from_cluster(load_cluster(path))
+
+
+def _cluster(
+    inventory: str | None, nodes: int | None, gpus_per_node: int | None, gpu: str | None, link: str | None
+) -> ClusterShape:
+    if inventory:
+        base = _inventory_shape(inventory)
+        return cluster_shape(
+            nodes or base.nodes,
+            gpus_per_node or base.gpus_per_node,
+            gpu or base.gpu.name,
+            link or base.inter_node_link.name,
+        )
+    if not (nodes and gpus_per_node and gpu):
+        raise BadInput(
+            "say which cluster to plan for",
+            hint="stepdeploy plan -m MODEL -i inventory/dgx.ini, or --nodes 2 --gpus-per-node 8 --gpu H200",
+        )
+    return cluster_shape(nodes, gpus_per_node, gpu, link or ("ib-400g" if gpus_per_node > 1 else "roce-200g"))
+
+
+def _explain(model: str, as_json: bool) -> None:
+    params = count_parameters(load_model(model))
+    if as_json:
+        emit_json(report.params_dict(params))
+        return
+    _table(report.explain_table(params))
+    for line in report.explain_summary(params):
+        out.print(line, markup=False)
+
+
+def _print_layout_verdict(result_job: Job, verdict: Any, cluster: ClusterShape) -> None:
+    out.print(f"Layout {verdict.layout.short()} on {cluster.describe()}: ", end="", markup=False)
+    if verdict.violations:
+        out.print("INVALID", markup=False)
+        for violation in verdict.violations:
+            out.print(f"  - [{violation.rule}] {violation.reason}", markup=False)
+        return
+    memory, time = verdict.memory, verdict.time
+    word = "FITS" if memory.fits else "DOES NOT FIT"
+    out.print(
+        f"{word} (worst stage {memory.worst.stage}: {report.gib(memory.worst.total)} GiB of "
+        f"{report.gib(memory.budget)} GiB budget; {report.gib(abs(memory.overflow))} GiB "
+        f"{'over' if memory.overflow > 0 else 'to spare'}; largest component {memory.worst.largest()})",
+        markup=False,
+    )
+    _table(report.memory_table(memory))
+    out.print(
+        f"step {time.seconds:.2f} s, MFU {time.mfu:.1%} of {time.peak_tflops:.0f} TFLOP/s, "
+        f"{time.tokens_per_second:,.0f} tokens/s (DP={result_job.dp(verdict.layout)})",
+        markup=False,
+    )
+
+
+def _print_result(result: PlanResult, top: int) -> None:
+    if result.fitting:
+        _table(report.ranking_table(result, top))
+    else:
+        out.print(f"No layout fits on {result.cluster.describe()}.", markup=False)
+    _table(report.rejection_table(result))
+    if result.smallest_fit:
+        out.print(
+            f"Smallest cluster of this kind where a layout fits: {result.smallest_fit.describe()}",
+            markup=False,
+        )
+
+
+def plan(
+    model: str = typer.Option(..., "--model", "-m", help="Catalog model, e.g. step-3.5-flash."),
+    inventory: str | None = typer.Option(None, "--inventory", "-i", help="Ansible inventory (INI/YAML)."),
+    nodes: int | None = typer.Option(None, "--nodes", help="Node count (overrides the inventory)."),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node."),
+    gpu: str | None = typer.Option(None, "--gpu", help="H100, H200, B200 or GB10."),
+    link: str | None = typer.Option(
+        None, "--link", help="Inter-node link: ib-400g, roce-200g, ethernet-tcp."
+    ),
+    seq: int | None = typer.Option(None, "--seq", help="Sequence length (default: the model's)."),
+    gbs: int | None = typer.Option(None, "--gbs", help="Global batch size (default: the model's)."),
+    layout: str | None = typer.Option(None, "--layout", help="Judge one layout: tp=8,pp=2,ep=4,mbs=1,..."),
+    top: int = typer.Option(10, "--top", "-k", min=1, help="How many fitting layouts to show."),
+    margin: float = typer.Option(0.10, "--margin", min=0.0, max=0.9, help="Memory kept free, as a fraction."),
+    explain: bool = typer.Option(False, "--explain", help="Show the per-layer parameter breakdown."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON to stdout."),
+) -> None:
+    """Rank parallel layouts by memory and step time; say why every rejected one cannot work."""
+    if explain and not (inventory or nodes):
+        _explain(model, as_json)
+        return
+    spec, hardware = load_model(model), load_hardware()
+    cluster = _cluster(inventory, nodes, gpus_per_node, gpu, link)
+    seq_length, global_batch = seq or spec.training.seq_length, gbs or spec.training.global_batch_size
+    if explain:
+        _explain(model, as_json)
+    params = count_parameters(spec)
+    job = Job(spec, seq_length, global_batch, cluster.world)
+    given = None
+    if layout:
+        given = judge(params, job, parse_layout(layout), cluster, hardware, margin)
+    info(f"searching layouts for {spec.name} on {cluster.describe()} ...")
+    result = search(spec, cluster, hardware, seq_length, global_batch, margin)
+    if not result.fitting:
+        info("nothing fits; looking for the smallest cluster of this kind that would ...")
+        result.smallest_fit = smallest_fitting_cluster(
+            spec, cluster, hardware, seq_length, global_batch, margin
+        )
+    _emit(result, given, top, as_json)
+    if not (given.fits if given else result.fitting):
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _emit(result: PlanResult, given: Any, top: int, as_json: bool) -> None:
+    if as_json:
+        data = report.result_dict(result, top)
+        if given:
+            data = {"layout": report.verdict_dict(given, result.job), "alternatives": data}
+        emit_json(data)
+        return
+    if given:
+        _print_layout_verdict(result.job, given, result.cluster)
+        out.print("Feasible alternatives on the same cluster:" if result.fitting else "", markup=False)
+    _print_result(result, top)
+
+
+__all__ = ["Layout", "plan"]

@@ -9,7 +9,8 @@ from stepdeploy.stack import COMPONENTS, get_profile, load_profiles, parse_profi
 
 
 def test_shipped_profiles() -> None:
-    assert profile_names() == ["seed-2024", "hopper-cu128", "hopper-cu130", "spark-cuda13", "sim-cpu"]
+    assert profile_names() == ["seed-2024", "hopper-cu128", "hopper-cu130", "spark-cuda13", "sim-cpu",
+                                   "sim-standin"]
 
 
 def test_every_component_of_every_profile_names_its_source() -> None:

@@ -1,0 +1,182 @@
+"""The compatibility matrix: can a stack profile run on the hardware a node has? Pure: values in, values out.
+
+Rules come from stepdeploy/data/compat.yaml (GPU arch <-> CUDA <-> driver <-> PyTorch <-> flash-attn <->
+megatron-core <-> Python). Provisioning calls this before it changes any node; preflight and the planner
+call it too. Each conflict names the rule's source and the profiles that would work instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+
+import yaml
+from packaging.version import InvalidVersion, Version
+
+from stepdeploy.stack import StackProfile, load_profiles
+
+SIMULATION_PREFIX = "sim-"  # profiles for simulated nodes: never suggested for real GPUs
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    compute_cap: str | None = None  # "9.0" as nvidia-smi prints it
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What a node has (discovered by the facts play, or declared in the inventory when not discovered)."""
+
+    host: str
+    arch: str | None = None
+    gpus: tuple[Gpu, ...] = ()
+    gpu_source: str = "discovered"  # or "declared in the inventory"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    host: str
+    component: str
+    found: str
+    required: str
+    source: str
+
+    def line(self) -> str:
+        return f"{self.host}: {self.component} {self.found} — needs {self.required} ({self.source})"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    profile: str
+    conflicts: tuple[Conflict, ...] = ()
+    working_profiles: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.conflicts
+
+    def message(self) -> str:
+        if self.ok:
+            return f"profile {self.profile} is compatible with the hardware found"
+        lines = [f"profile {self.profile} cannot run on this hardware:"]
+        lines += [f"  - {c.line()}" for c in self.conflicts]
+        if self.working_profiles:
+            lines.append(f"profiles that would work: {', '.join(self.working_profiles)}")
+        else:
+            lines.append("no shipped profile fits; add one to stepdeploy/data/stack_profiles.yaml")
+        return "\n".join(lines)
+
+
+@cache
+def matrix() -> dict:
+    text = resources.files("stepdeploy.data").joinpath("compat.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def gpu_arch(gpu: Gpu) -> tuple[str, str] | None:
+    """(sm, family) of a GPU from its compute capability, else from its name; None if unknown."""
+    m = matrix()
+    if gpu.compute_cap:
+        sm = gpu.compute_cap.replace(".", "").strip()
+        if sm in m["families"]:
+            return sm, m["families"][sm]
+    for entry in m["gpus"]:
+        if entry["match"].lower() in gpu.name.lower():
+            return entry["sm"], entry["family"]
+    return None
+
+
+def _v(text: str | None) -> Version | None:
+    if not text:
+        return None
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return None
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def check(profile: StackProfile, facts: HostFacts) -> list[Conflict]:
+    """Every rule of the matrix that `profile` breaks on `facts`."""
+    conflicts = _software_rules(profile, facts.host)
+    for sm, family in {a for a in (gpu_arch(g) for g in facts.gpus) if a is not None}:
+        conflicts += _gpu_rules(profile, facts, sm, family)
+    return conflicts
+
+
+def _software_rules(profile: StackProfile, host: str) -> list[Conflict]:
+    m, out = matrix(), []
+    cuda, driver = _v(profile.cuda), _v(profile.driver)
+    if cuda and driver:
+        rules = m["cuda_min_driver"]
+        need = rules["table"].get(_major_minor(profile.cuda or ""))
+        need = need or rules["major_floor"].get(str(cuda.major))
+        if need and driver < Version(need):
+            out.append(Conflict(host, "driver", profile.driver or "", f">= {need} for CUDA {profile.cuda}",
+                                rules["source"]))
+    fa = _v(profile.flash_attn)
+    if fa and str(fa.major) not in m["flash_attn"]["existing_majors"]:
+        out.append(Conflict(host, "flash-attn", profile.flash_attn or "",
+                            "a release that exists (2.x is FA2)", m["flash_attn"]["source"]))
+    mc, py = _v(profile.megatron_core), _v(profile.python)
+    rule = m["megatron_core_python"]
+    if mc and py and mc >= Version(rule["from_version"]) and py < Version(rule["min_python"]):
+        out.append(Conflict(host, "Python", profile.python or "",
+                            f">= {rule['min_python']} for megatron-core {profile.megatron_core}",
+                            rule["source"]))
+    return out
+
+
+def _gpu_rules(profile: StackProfile, facts: HostFacts, sm: str, family: str) -> list[Conflict]:
+    m, out, host = matrix(), [], facts.host
+    where = f"sm_{sm} ({family}, {facts.gpu_source})"
+    need_cuda = m["sm_min_cuda"]["table"].get(sm)
+    cuda = _v(profile.cuda)
+    if cuda is None:
+        out.append(Conflict(host, "CUDA", "none", f"a CUDA toolkit for the GPU {where}",
+                            "profile has no CUDA"))
+    elif need_cuda and cuda < Version(need_cuda):
+        out.append(Conflict(host, "CUDA", profile.cuda or "", f">= {need_cuda} for {where}",
+                            m["sm_min_cuda"]["source"]))
+    need_torch = m["torch_min_for_family"]["table"].get(family)
+    torch = _v(profile.torch)
+    if torch and need_torch and Version(torch.base_version) < Version(need_torch):
+        out.append(Conflict(host, "PyTorch", profile.torch or "", f">= {need_torch} for {where}",
+                            m["torch_min_for_family"]["source"]))
+    fa = _v(profile.flash_attn)
+    if fa and fa.major == 2 and family not in m["flash_attn"]["fa2_families"]:
+        out.append(Conflict(host, "flash-attn", profile.flash_attn or "",
+                            f"an FA2-capable GPU (Ampere/Ada/Hopper), not {where}",
+                            m["flash_attn"]["source"]))
+    return out
+
+
+def verdict(profile: StackProfile, hosts: Iterable[HostFacts],
+            profiles: Mapping[str, StackProfile] | None = None) -> Verdict:
+    """Check every host; on conflict, list the shipped profiles that pass on all of them."""
+    hosts = list(hosts)
+    conflicts = [c for h in hosts for c in check(profile, h)]
+    working: list[str] = []
+    if conflicts:
+        catalog = profiles if profiles is not None else load_profiles()
+        needs_gpu_stack = any(h.gpus for h in hosts)
+        working = [name for name, p in catalog.items()
+                   if not any(check(p, h) for h in hosts) and (p.cuda or not needs_gpu_stack)
+                   and not (needs_gpu_stack and name.startswith(SIMULATION_PREFIX))]
+    return Verdict(profile=profile.name, conflicts=tuple(conflicts), working_profiles=tuple(working))
+
+
+def facts_from_nvidia_smi(host: str, arch: str | None, csv_text: str) -> HostFacts:
+    """HostFacts from `nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader` output."""
+    gpus = []
+    for line in csv_text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if parts and parts[0]:
+            gpus.append(Gpu(name=parts[0], compute_cap=parts[1] if len(parts) > 1 else None))
+    return HostFacts(host=host, arch=arch, gpus=tuple(gpus))

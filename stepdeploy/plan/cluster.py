@@ -1,0 +1,72 @@
+"""The cluster as the planner sees it: N identical nodes of G GPUs joined by one inter-node link."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
+
+from stepdeploy.catalog import GpuSpec, LinkSpec, gpu, link, load_hardware
+from stepdeploy.errors import BadInput
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    nodes: int
+    gpus_per_node: int
+    gpu: GpuSpec
+    inter_node_link: LinkSpec
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def with_nodes(self, nodes: int) -> ClusterShape:
+        return replace(self, nodes=nodes)
+
+    def describe(self) -> str:
+        return (
+            f"{self.nodes} node(s) x {self.gpus_per_node} {self.gpu.name} = {self.world} GPUs, "
+            f"{self.inter_node_link.name} between nodes"
+        )
+
+    def group_busbw_gbps(self, span: int) -> float:
+        """Bus bandwidth per GPU of a collective whose ranks lie within `span` consecutive ranks."""
+        if span <= self.gpus_per_node and self.gpus_per_node > 1 and self.gpu.intra_node_link:
+            return link(self.gpu.intra_node_link).busbw_gbps
+        inter = self.inter_node_link
+        return inter.busbw_gbps if inter.per_gpu else inter.busbw_gbps / self.gpus_per_node
+
+
+def cluster_shape(nodes: int, gpus_per_node: int, gpu_name: str, link_name: str) -> ClusterShape:
+    if nodes < 1 or gpus_per_node < 1:
+        raise BadInput(f"need at least one node and one GPU per node (got {nodes} x {gpus_per_node})")
+    return ClusterShape(nodes, gpus_per_node, gpu(gpu_name), link(link_name))
+
+
+def _one_value(values: list[Any], what: str) -> Any:
+    counts = Counter(values)
+    if len(counts) != 1:
+        found = ", ".join(f"{value} x{count}" for value, count in counts.most_common())
+        raise BadInput(f"the planner needs identical nodes; {what} differs across nodes: {found}")
+    return values[0]
+
+
+def shape_from_cluster(cluster: Any) -> ClusterShape:
+    """Build the planner's view from an inventory Cluster (duck-typed: .nodes[*].gpus_per_node,
+    .gpu_model, .fabric)."""
+    nodes = list(getattr(cluster, "nodes", []))
+    if not nodes:
+        raise BadInput("the inventory lists no nodes")
+    gpu_model = _one_value([node.gpu_model for node in nodes], "GPU model")
+    if not gpu_model:
+        raise BadInput(
+            "the inventory does not say which GPU the nodes have",
+            hint="set gpu_model in group_vars, or pass --gpu H100|H200|B200|GB10",
+        )
+    per_node = _one_value([int(node.gpus_per_node) for node in nodes], "GPUs per node")
+    fabric = _one_value([node.fabric for node in nodes], "fabric")
+    fabric_links = load_hardware().fabric_links
+    if fabric not in fabric_links:
+        raise BadInput(f"unknown fabric {fabric!r}; known: {', '.join(sorted(fabric_links))}")
+    return cluster_shape(len(nodes), per_node, gpu_model, fabric_links[fabric])

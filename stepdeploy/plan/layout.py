@@ -1,0 +1,156 @@
+"""A parallel layout (Megatron's knobs) and the job it runs: model, sequence, batch, GPU count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+from stepdeploy.catalog import ModelSpec
+from stepdeploy.errors import BadInput
+
+Recompute = Literal["none", "selective", "full"]
+Dispatcher = Literal["alltoall", "flex", "allgather"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    mbs: int = 1
+    recompute: Recompute = "none"
+    distributed_optimizer: bool = True
+    optimizer_cpu_offload: bool = False
+    precision_aware_optimizer: bool = False
+    sequence_parallel: bool | None = None  # None: on exactly when TP > 1
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool | None = None  # None: on exactly when the distributed optimizer is
+    overlap_p2p_comm: bool = True
+    overlap_moe_expert_parallel_comm: bool = False
+    dispatcher: Dispatcher = "alltoall"
+    grouped_gemm: bool = True  # False: megatron-core's SequentialMLP expert loop (no TE)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
+    def param_gather_overlap(self) -> bool:
+        if self.overlap_param_gather is None:
+            return self.distributed_optimizer and self.overlap_grad_reduce
+        return self.overlap_param_gather
+
+    def short(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}"]
+        parts += [
+            f"{key}={getattr(self, key)}" for key in ("vpp", "cp", "ep", "etp") if getattr(self, key) > 1
+        ]
+        return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained where: the model, its sequence and global batch, and the number of GPUs."""
+
+    model: ModelSpec
+    seq_length: int
+    global_batch_size: int
+    world: int
+
+    def dp(self, layout: Layout) -> int:
+        return self.world // (layout.tp * layout.pp * layout.cp)
+
+    def edp(self, layout: Layout) -> int:
+        return self.world // (layout.etp * layout.ep * layout.pp)
+
+    def microbatches(self, layout: Layout) -> int:
+        return max(1, self.global_batch_size // (layout.mbs * self.dp(layout)))
+
+
+def stage_layer_counts(num_layers: int, layout: Layout) -> tuple[int, ...] | None:
+    """Decoder layers per pipeline stage, or None when no split exists.
+
+    Layers that do not divide evenly go to the middle stages first, so the first stage (which holds
+    the most in-flight micro-batches) and the last (logits, MTP) get fewer: Megatron's
+    decoder_first/last_pipeline_num_layers.
+    """
+    pp = layout.pp
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if first is not None or last is not None:
+        return _explicit_split(num_layers, pp, first, last)
+    if num_layers % pp == 0:
+        return (num_layers // pp,) * pp
+    if pp < 3:
+        return (num_layers // pp, num_layers - num_layers // pp) if pp == 2 else None
+    middle = -(-num_layers // pp)
+    ends = num_layers - middle * (pp - 2)
+    if ends < 2:
+        return None
+    return (ends // 2, *(middle,) * (pp - 2), ends - ends // 2)
+
+
+def _explicit_split(num_layers: int, pp: int, first: int | None, last: int | None) -> tuple[int, ...] | None:
+    if pp == 1:
+        return None
+    given = (first or 0) + (last or 0)
+    unknown = pp - (first is not None) - (last is not None)
+    rest = num_layers - given
+    if unknown == 0:
+        return (first or 0, last or 0) if rest == 0 else None
+    if rest <= 0 or rest % unknown:
+        return None
+    each = rest // unknown
+    return (first if first is not None else each, *(each,) * (pp - 2), last if last is not None else each)
+
+
+_BOOL_WORDS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+_ALIASES = {
+    "dist-opt": "distributed_optimizer",
+    "offload": "optimizer_cpu_offload",
+    "sp": "sequence_parallel",
+    "first": "first_stage_layers",
+    "last": "last_stage_layers",
+}
+
+
+def parse_layout(text: str, base: Layout | None = None) -> Layout:
+    """`tp=8,pp=2,ep=4,recompute=full,dist-opt=0` -> Layout; BadInput naming the valid keys otherwise."""
+    known = {field.name: field for field in fields(Layout)}
+    values: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        name = _ALIASES.get(key.strip(), key.strip().replace("-", "_"))
+        if not sep or name not in known:
+            valid = ", ".join([*known, *_ALIASES])
+            raise BadInput(f"--layout: cannot read {item!r}; use key=value with keys: {valid}")
+        values[name] = _convert(name, raw.strip(), str(known[name].type))
+    return replace(base or Layout(), **values)  # type: ignore[arg-type]
+
+
+def _convert(name: str, raw: str, type_name: str) -> object:
+    if "bool" in type_name:
+        if raw.lower() not in _BOOL_WORDS:
+            raise BadInput(f"--layout: {name} takes on/off, got {raw!r}")
+        return _BOOL_WORDS[raw.lower()]
+    if "int" in type_name:
+        if not raw.isdigit() or int(raw) < 1:
+            raise BadInput(f"--layout: {name} takes a positive integer, got {raw!r}")
+        return int(raw)
+    choices = {"recompute": ("none", "selective", "full"), "dispatcher": ("alltoall", "flex", "allgather")}
+    if raw not in choices.get(name, ()):
+        raise BadInput(f"--layout: {name} is one of {', '.join(choices.get(name, ()))}, got {raw!r}")
+    return raw

@@ -1,0 +1,147 @@
+"""Memory per GPU for every pipeline stage, by component; the worst stage decides whether a layout fits.
+
+`torch_allocated` is what torch.cuda.max_memory_allocated() would report on that stage's GPUs (weights,
+gradients, optimizer state, activations, logits, dispatcher buffers); NCCL buffers, the CUDA context
+and allocator fragmentation come on top of it in nvidia-smi.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stepdeploy.catalog import MIB
+from stepdeploy.plan import activations as act
+from stepdeploy.plan.cluster import ClusterShape
+from stepdeploy.plan.layout import Job, Layout
+from stepdeploy.plan.params import ParamCount
+from stepdeploy.plan.stages import Stage, stage_params, stages
+
+WEIGHT_BYTES = 2  # bf16 parameters
+GRAD_BYTES = 4  # fp32 main gradients (accumulate-allreduce-grads-in-fp32)
+OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m and v
+NCCL_BASE_MIB = 256  # assumed: NCCL workspace of the first communicator
+NCCL_PER_GROUP_MIB = 128  # assumed: each further process group of size > 1
+FLEX_BUFFER_MIB = 1024  # assumed: DeepEP (flex dispatcher) NVLink + RDMA buffers
+FRAGMENTATION = 0.05  # assumed: reserved-but-unallocated share of the caching allocator
+
+TORCH_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "dispatcher")
+COMPONENTS = (*TORCH_COMPONENTS, "nccl", "cuda_context", "fragmentation")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    layers: int
+    components: dict[str, float]  # bytes per GPU
+
+    @property
+    def torch_allocated(self) -> float:
+        return sum(self.components[name] for name in TORCH_COMPONENTS)
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+    def largest(self) -> str:
+        return max(self.components, key=lambda name: self.components[name])
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stages: tuple[StageMemory, ...]
+    capacity: float  # bytes a process may use on one GPU
+    margin: float
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda stage: stage.total)
+
+    @property
+    def budget(self) -> float:
+        return self.capacity * (1 - self.margin)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.budget
+
+    @property
+    def overflow(self) -> float:
+        return self.worst.total - self.budget
+
+
+def _optimizer_shards(job: Job, layout: Layout) -> tuple[int, int]:
+    """Distributed-optimizer shard counts: DP*CP ranks share dense params, EDP ranks share experts."""
+    if not layout.distributed_optimizer:
+        return 1, 1
+    return job.dp(layout) * layout.cp, job.edp(layout)
+
+
+def _state_bytes(
+    params: ParamCount, job: Job, layout: Layout, stage: Stage, unified: bool
+) -> dict[str, float]:
+    held = stage_params(params, stage, layout)
+    dense_shards, expert_shards = _optimizer_shards(job, layout)
+    optimizer = OPTIMIZER_BYTES * (held.dense / dense_shards + held.expert / expert_shards)
+    if layout.optimizer_cpu_offload and not unified:
+        optimizer = 0.0
+    return {
+        "weights": WEIGHT_BYTES * held.total,
+        "gradients": GRAD_BYTES * held.total,
+        "optimizer": optimizer,
+    }
+
+
+def _activation_bytes(job: Job, layout: Layout, stage: Stage) -> float:
+    spec, seq = job.model, job.seq_length
+    decoder = [layer for layer in stage.layers if not layer.mtp_extra]
+    mtp = [layer for layer in stage.layers if layer.mtp_extra]
+    per_microbatch = sum(act.layer_activation_bytes(spec, layer, layout, seq) for layer in decoder)
+    held = per_microbatch * act.in_flight_microbatches(layout, stage.index, job.microbatches(layout))
+    held += sum(act.full_layer_bytes(spec, layer, layout, seq) for layer in mtp)  # one micro-batch
+    if layout.recompute == "full" and decoder:
+        held += max(
+            act.full_layer_bytes(spec, layer, layout, seq) for layer in decoder
+        )  # recompute working set
+    return held
+
+
+def _dispatcher_bytes(job: Job, layout: Layout, stage: Stage) -> float:
+    moe = job.model.moe
+    if moe is None or not any(layer.shape.ffn == "moe" for layer in stage.layers):
+        return 0.0
+    if layout.dispatcher == "flex":
+        return FLEX_BUFFER_MIB * MIB
+    tokens = act.token_shards(job.seq_length, layout).hidden
+    row = job.model.hidden_size * act.BF16
+    if layout.dispatcher == "allgather":
+        return tokens * layout.ep * layout.etp * row * 2
+    return 2 * tokens * moe.topk * row  # permuted input + all-to-all receive buffer
+
+
+def _nccl_bytes(job: Job, layout: Layout) -> float:
+    groups = (layout.tp, layout.pp, layout.cp, job.dp(layout), layout.ep, layout.etp, job.edp(layout))
+    return (NCCL_BASE_MIB + NCCL_PER_GROUP_MIB * sum(size > 1 for size in groups)) * MIB
+
+
+def stage_memory(
+    params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: Stage
+) -> StageMemory:
+    parts = _state_bytes(params, job, layout, stage, cluster.gpu.unified_memory)
+    parts["activations"] = _activation_bytes(job, layout, stage)
+    parts["logits"] = act.logits_bytes(job.model, layout, job.seq_length) if stage.last else 0.0
+    parts["dispatcher"] = _dispatcher_bytes(job, layout, stage)
+    allocated = sum(parts.values())
+    parts["nccl"] = _nccl_bytes(job, layout)
+    parts["cuda_context"] = cluster.gpu.cuda_context_mib * MIB
+    parts["fragmentation"] = FRAGMENTATION * allocated
+    decoder_layers = sum(1 for layer in stage.layers if not layer.mtp_extra)
+    return StageMemory(stage.index, decoder_layers, parts)
+
+
+def estimate_memory(
+    params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, margin: float = 0.10
+) -> MemoryEstimate:
+    per_stage = tuple(
+        stage_memory(params, job, layout, cluster, stage) for stage in stages(params, job, layout)
+    )
+    return MemoryEstimate(per_stage, capacity=float(cluster.gpu.usable_bytes), margin=margin)

@@ -1,0 +1,190 @@
+"""Judge one layout, enumerate all of them, rank those that fit, find the smallest cluster that would fit."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from itertools import product
+
+from stepdeploy.catalog import Hardware, ModelSpec
+from stepdeploy.plan.cluster import ClusterShape
+from stepdeploy.plan.constraints import Violation, violations
+from stepdeploy.plan.layout import Job, Layout
+from stepdeploy.plan.memory import MemoryEstimate, estimate_memory
+from stepdeploy.plan.params import ParamCount, count_parameters
+from stepdeploy.plan.steptime import StepTime, predict_step_time
+
+POWERS = (1, 2, 4, 8)
+MICRO_BATCHES = (1, 2, 4)
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    layout: Layout
+    violations: tuple[Violation, ...] = ()
+    memory: MemoryEstimate | None = None
+    time: StepTime | None = None
+
+    @property
+    def valid(self) -> bool:
+        return not self.violations
+
+    @property
+    def fits(self) -> bool:
+        return self.valid and self.memory is not None and self.memory.fits
+
+    def reason(self) -> str:
+        if self.violations:
+            return self.violations[0].reason
+        if self.memory and not self.memory.fits:
+            worst = self.memory.worst
+            return f"out of memory on stage {worst.stage} (largest: {worst.largest()})"
+        return "fits"
+
+
+@dataclass
+class PlanResult:
+    job: Job
+    cluster: ClusterShape
+    fitting: list[Verdict] = field(default_factory=list)
+    rejected: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, Verdict] = field(default_factory=dict)
+    smallest_fit: ClusterShape | None = None
+
+    def reject(self, verdict: Verdict, key: str) -> None:
+        self.rejected[key] += 1
+        self.examples.setdefault(key, verdict)
+
+
+def judge(
+    params: ParamCount,
+    job: Job,
+    layout: Layout,
+    cluster: ClusterShape,
+    hardware: Hardware,
+    margin: float = 0.10,
+) -> Verdict:
+    broken = tuple(violations(job, layout))
+    if broken:
+        return Verdict(layout, broken)
+    memory = estimate_memory(params, job, layout, cluster, margin)
+    return Verdict(layout, (), memory, predict_step_time(params, job, layout, cluster, hardware))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def structures(spec: ModelSpec, world: int) -> Iterator[Layout]:
+    """Every (TP, PP, VPP, CP, EP, ETP) the search tries; knobs are chosen per structure later."""
+    moe = spec.moe is not None
+    eps = [d for d in _divisors(world) if not moe or spec.moe.num_experts % d == 0] if moe else [1]
+    etps = [p for p in POWERS if p <= world] if moe else [1]
+    pps = [d for d in _divisors(world) if d <= spec.num_layers]
+    tps = [p for p in POWERS if p <= world]
+    for tp, pp, vpp, cp, ep, etp in product(tps, pps, (1, 2, 3, 4, 5), tps, eps, etps):
+        if vpp > 1 and pp == 1:
+            continue
+        yield Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp)
+
+
+def _knob_choices(structure: Layout, frugal: bool) -> Iterator[Layout]:
+    batches, recomputes = ((1,), ("full",)) if frugal else (MICRO_BATCHES, RECOMPUTE)
+    for mbs, recompute in product(batches, recomputes):
+        yield replace(structure, mbs=mbs, recompute=recompute)
+    for mbs in batches:
+        yield replace(
+            structure, mbs=mbs, recompute="full", optimizer_cpu_offload=True, precision_aware_optimizer=True
+        )
+
+
+def _best_for_structure(
+    params: ParamCount,
+    job: Job,
+    structure: Layout,
+    cluster: ClusterShape,
+    hardware: Hardware,
+    margin: float,
+    frugal: bool,
+) -> Verdict:
+    best: Verdict | None = None
+    tightest: Verdict | None = None
+    invalid: Verdict | None = None
+    for layout in _knob_choices(structure, frugal):
+        verdict = judge(params, job, layout, cluster, hardware, margin)
+        if not verdict.valid:
+            if invalid is None and verdict.violations[0].rule != "batch-divides":
+                return verdict  # structural: no knob repairs it
+            invalid = invalid or verdict
+            continue
+        if verdict.fits and (best is None or _speed(verdict) > _speed(best)):
+            best = verdict
+        elif not verdict.fits and (tightest is None or _overflow(verdict) < _overflow(tightest)):
+            tightest = verdict
+    return best or tightest or invalid  # type: ignore[return-value]
+
+
+def _speed(verdict: Verdict) -> float:
+    return verdict.time.tokens_per_second if verdict.time else 0.0
+
+
+def _overflow(verdict: Verdict) -> float:
+    return verdict.memory.overflow if verdict.memory else float("inf")
+
+
+def search(
+    spec: ModelSpec,
+    cluster: ClusterShape,
+    hardware: Hardware,
+    seq_length: int,
+    global_batch: int,
+    margin: float = 0.10,
+    frugal: bool = False,
+) -> PlanResult:
+    params = count_parameters(spec)
+    job = Job(spec, seq_length, global_batch, cluster.world)
+    result = PlanResult(job, cluster)
+    for structure in structures(spec, cluster.world):
+        verdict = _best_for_structure(params, job, structure, cluster, hardware, margin, frugal)
+        if verdict.fits:
+            result.fitting.append(verdict)
+        elif verdict.violations:
+            result.reject(verdict, verdict.violations[0].rule)
+        else:
+            result.reject(verdict, "memory")
+    result.fitting.sort(key=_speed, reverse=True)
+    return result
+
+
+def smallest_fitting_cluster(
+    spec: ModelSpec,
+    cluster: ClusterShape,
+    hardware: Hardware,
+    seq_length: int,
+    global_batch: int,
+    margin: float = 0.10,
+    max_gpus: int = 4096,
+) -> ClusterShape | None:
+    """The fewest nodes of the same kind on which some layout fits (memory-frugal knobs only)."""
+
+    def fits(nodes: int) -> bool:
+        bigger = cluster.with_nodes(nodes)
+        return bool(search(spec, bigger, hardware, seq_length, global_batch, margin, frugal=True).fitting)
+
+    tried = cluster.nodes
+    for nodes in _node_counts(cluster, max_gpus):
+        if fits(nodes):
+            # The coarse steps may have jumped over a smaller size: walk back up from the last miss.
+            first = next((n for n in range(tried + 1, nodes) if fits(n)), nodes)
+            return cluster.with_nodes(first)
+        tried = nodes
+    return None
+
+
+def _node_counts(cluster: ClusterShape, max_gpus: int) -> list[int]:
+    limit = max_gpus // cluster.gpus_per_node
+    counts = set(range(cluster.nodes + 1, min(limit, 16) + 1))
+    counts |= {n for n in range(16, limit + 1, 8)}
+    return sorted(n for n in counts if n > cluster.nodes)

@@ -1,0 +1,123 @@
+"""Memory components against values computed by hand for tiny-dense (h=256, 8x32 heads, 4 groups,
+SwiGLU 688, vocab 8192, 7,096,576 parameters) at sequence 256."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepdeploy.catalog import MIB, load_model
+from stepdeploy.plan.activations import in_flight_microbatches
+from stepdeploy.plan.cluster import cluster_shape
+from stepdeploy.plan.layout import Job, Layout
+from stepdeploy.plan.memory import estimate_memory
+from stepdeploy.plan.params import count_parameters
+
+TINY = load_model("tiny-dense")
+PARAMS = count_parameters(TINY)
+TOTAL = 7_096_576
+SEQ = 256
+# Per token per layer, bytes: norm + QKV inputs 2*256*2; q,k,v (256+2*128)*2; core out 256*2; lse 8*4;
+# MLP norm + fc1 inputs 2*256*2; fc1 out 2*688*2; act out 688*2.
+ATTENTION_PER_TOKEN = 2 * 256 * 2 + 512 * 2 + 256 * 2 + 8 * 4  # 2,592
+MLP_PER_TOKEN = 2 * 256 * 2 + 2 * 688 * 2 + 688 * 2  # 5,152
+LAYER = SEQ * (ATTENTION_PER_TOKEN + MLP_PER_TOKEN)  # 1,982,464 bytes per micro-batch
+LOGITS = SEQ * 8192 * (2 + 4)  # bf16 logits + fp32 softmax
+
+
+def _stage0(world: int, layout: Layout, gpu: str = "H200", gbs: int = 16):
+    cluster = cluster_shape(1, world, gpu, "ib-400g")
+    return estimate_memory(PARAMS, Job(TINY, SEQ, gbs, world), layout, cluster).stages[0]
+
+
+def test_one_gpu_without_distributed_optimizer_is_18_bytes_per_parameter() -> None:
+    parts = _stage0(1, Layout(distributed_optimizer=False)).components
+    assert (parts["weights"], parts["gradients"], parts["optimizer"]) == (2 * TOTAL, 4 * TOTAL, 12 * TOTAL)
+
+
+def test_distributed_optimizer_shards_the_12_bytes_over_dp() -> None:
+    parts = _stage0(4, Layout(distributed_optimizer=True)).components
+    assert parts["optimizer"] == 12 * TOTAL / 4
+    assert parts["gradients"] == 4 * TOTAL  # the grad buffer stays whole
+
+
+def test_activations_and_logits_of_one_microbatch_by_hand() -> None:
+    parts = _stage0(1, Layout()).components
+    assert parts["activations"] == 4 * LAYER == 7_929_856
+    assert parts["logits"] == LOGITS == 12_582_912
+
+
+def test_full_recompute_keeps_layer_inputs_plus_one_layer_to_recompute() -> None:
+    parts = _stage0(1, Layout(recompute="full")).components
+    assert parts["activations"] == 4 * SEQ * 256 * 2 + LAYER
+
+
+def test_selective_recompute_drops_the_softmax_statistics() -> None:
+    parts = _stage0(1, Layout(recompute="selective")).components
+    assert parts["activations"] == 4 * (LAYER - SEQ * 8 * 4)
+
+
+def test_tensor_parallel_with_sequence_parallel_divides_activations() -> None:
+    parts = _stage0(2, Layout(tp=2)).components
+    assert parts["activations"] == 4 * LAYER / 2
+    assert parts["logits"] == LOGITS / 2
+
+
+def test_one_f_one_b_first_stage_holds_pp_microbatches_and_decides() -> None:
+    cluster = cluster_shape(1, 4, "H200", "ib-400g")
+    memory = estimate_memory(PARAMS, Job(TINY, SEQ, 16, 4), Layout(pp=4), cluster)
+    assert [stage.components["activations"] for stage in memory.stages] == [
+        4 * LAYER,
+        3 * LAYER,
+        2 * LAYER,
+        LAYER,
+    ]
+    assert memory.worst.stage in (0, 3)  # stage 0: most activations; stage 3: logits + output layer
+
+
+def test_in_flight_microbatches_match_megatrons_interleaving_factor() -> None:
+    assert in_flight_microbatches(Layout(pp=4), stage=0, microbatches=16) == 4
+    assert in_flight_microbatches(Layout(pp=4), stage=3, microbatches=16) == 1
+    assert in_flight_microbatches(Layout(pp=4), stage=0, microbatches=2) == 2  # fewer micro-batches than PP
+    assert in_flight_microbatches(Layout(pp=4, vpp=2), stage=0, microbatches=16) == 4 * (1 + 3 / 8)
+
+
+def test_overheads_outside_torch() -> None:
+    parts = _stage0(1, Layout()).components
+    assert parts["cuda_context"] == 600 * MIB
+    assert parts["nccl"] == 256 * MIB
+    allocated = sum(
+        parts[k] for k in ("weights", "gradients", "optimizer", "activations", "logits", "dispatcher")
+    )
+    assert parts["fragmentation"] == pytest.approx(0.05 * allocated)
+
+
+def test_offload_frees_gpu_memory_but_not_on_unified_memory() -> None:
+    offload = Layout(optimizer_cpu_offload=True, precision_aware_optimizer=True)
+    assert _stage0(1, offload).components["optimizer"] == 0
+    assert _stage0(1, offload, gpu="GB10").components["optimizer"] == 12 * TOTAL
+
+
+def test_moe_activations_use_expert_width_and_topk() -> None:
+    moe = load_model("tiny-moe")
+    params = count_parameters(moe)
+    cluster = cluster_shape(1, 1, "H200", "ib-400g")
+    parts = estimate_memory(params, Job(moe, SEQ, 16, 1), Layout(), cluster).stages[0].components
+    # MoE layer: norm + router inputs 2*256*2; router logits+scores 2*8*4; 2 routed copies of
+    # (fc1 in 256 + combine in 256 + fc1 out 512 + act 256)*2; shared expert (512 + 256)*2.
+    moe_ffn = 2 * 256 * 2 + 2 * 8 * 4 + 2 * (256 + 256 + 512 + 256) * 2 + (512 + 256) * 2
+    expected = SEQ * (4 * ATTENTION_PER_TOKEN + MLP_PER_TOKEN + 3 * moe_ffn)
+    assert parts["activations"] == expected
+    assert parts["dispatcher"] == 2 * SEQ * 2 * 256 * 2  # permuted + received rows, top-2
+
+
+def test_seed_layout_does_not_fit_16_h200_and_optimizer_state_is_why() -> None:
+    seed = load_model("gpt3-175b-seed")
+    params = count_parameters(seed)
+    cluster = cluster_shape(2, 8, "H200", "ib-400g")
+    memory = estimate_memory(
+        params, Job(seed, 2048, 64, 16), Layout(tp=8, pp=2, distributed_optimizer=False), cluster
+    )
+    assert not memory.fits
+    assert memory.worst.largest() == "optimizer"
+    # 87.3B parameters per stage / TP8 = 10.9B per GPU -> 12 bytes each of optimizer state
+    assert memory.worst.components["optimizer"] == pytest.approx(12 * params.total / 16, rel=0.01)

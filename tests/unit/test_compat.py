@@ -1,0 +1,90 @@
+"""The compatibility matrix: one passing and one failing case per rule, and the suggested profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepdeploy.compat import Gpu, HostFacts, check, facts_from_nvidia_smi, gpu_arch, verdict
+from stepdeploy.stack import StackProfile, get_profile
+
+GB10 = HostFacts("spark-1", "aarch64", (Gpu("NVIDIA GB10", "12.1"),))
+H200 = HostFacts("h200-1", "x86_64", (Gpu("NVIDIA H200", "9.0"),))
+CPU = HostFacts("cpu-1", "x86_64", ())
+
+
+def _profile(**overrides: str | None) -> StackProfile:
+    return get_profile("hopper-cu130").model_copy(update={"name": "custom", **overrides})
+
+
+def test_gpu_arch_from_compute_capability_or_name() -> None:
+    assert gpu_arch(Gpu("NVIDIA H200", "9.0")) == ("90", "hopper")
+    assert gpu_arch(Gpu("NVIDIA GB10")) == ("121", "blackwell")  # no compute_cap: by name
+    assert gpu_arch(Gpu("Some Future GPU")) is None
+
+
+def test_seed_profile_refused_on_gb10_with_the_conflicts_and_working_profiles() -> None:
+    v = verdict(get_profile("seed-2024"), [GB10])
+    assert not v.ok
+    components = {c.component for c in v.conflicts}
+    assert components == {"CUDA", "PyTorch", "flash-attn"}
+    cuda = next(c for c in v.conflicts if c.component == "CUDA")
+    assert cuda.found == "12.3" and ">= 12.9" in cuda.required and "sm_121" in cuda.required
+    assert "spark-cuda13" in v.working_profiles
+    assert not any(p.startswith("sim-") for p in v.working_profiles)
+    assert "profiles that would work" in v.message()
+
+
+def test_seed_profile_is_valid_on_hopper() -> None:
+    assert verdict(get_profile("seed-2024"), [H200]).ok
+
+
+@pytest.mark.parametrize("overrides, ok", [
+    ({"cuda": "12.3", "driver": "545.23.06"}, True),
+    ({"cuda": "12.3", "driver": "535.104.05"}, False),  # below table 3's 545.23.06
+    ({"cuda": "13.0", "driver": "575.51.03"}, False),   # 13.x needs >= 580.65.06
+    ({"cuda": "12.4", "driver": "530.30.02"}, True),    # not in the table: the 12.x floor (525.60.13)
+])
+def test_driver_minimum_for_cuda(overrides: dict, ok: bool) -> None:
+    conflicts = [c for c in check(_profile(**overrides), CPU) if c.component == "driver"]
+    assert (not conflicts) is ok
+
+
+@pytest.mark.parametrize("cuda, host, ok", [
+    ("12.9", GB10, True), ("12.8", GB10, False), ("11.8", H200, True), ("11.7", H200, False),
+])
+def test_cuda_must_target_the_gpu_architecture(cuda: str, host: HostFacts, ok: bool) -> None:
+    conflicts = [c for c in check(_profile(cuda=cuda, driver="590.44.01"), host) if c.component == "CUDA"]
+    assert (not conflicts) is ok
+
+
+@pytest.mark.parametrize("torch, ok", [("2.7.0", True), ("2.6.0+cu126", False)])
+def test_blackwell_needs_torch_2_7(torch: str, ok: bool) -> None:
+    conflicts = [c for c in check(_profile(torch=torch), GB10) if c.component == "PyTorch"]
+    assert (not conflicts) is ok
+
+
+@pytest.mark.parametrize("fa, host, ok", [
+    ("2.8.3", H200, True), ("2.8.3", GB10, False), ("3.5.0", H200, False), (None, GB10, True),
+])
+def test_flash_attn(fa: str | None, host: HostFacts, ok: bool) -> None:
+    conflicts = [c for c in check(_profile(flash_attn=fa), host) if c.component == "flash-attn"]
+    assert (not conflicts) is ok
+
+
+@pytest.mark.parametrize("mcore, python, ok", [
+    ("0.19.2", "3.12", True), ("0.19.2", "3.10", False), ("0.16.1", "3.11", True),
+])
+def test_megatron_core_python(mcore: str, python: str, ok: bool) -> None:
+    profile = _profile(megatron_core=mcore, python=python)
+    conflicts = [c for c in check(profile, CPU) if c.component == "Python"]
+    assert (not conflicts) is ok
+
+
+def test_gpu_node_with_a_cpu_profile_is_refused() -> None:
+    v = verdict(get_profile("sim-cpu"), [H200])
+    assert not v.ok and v.conflicts[0].component == "CUDA"
+
+
+def test_facts_from_nvidia_smi_csv() -> None:
+    facts = facts_from_nvidia_smi("n", "x86_64", "NVIDIA H200, 9.0\nNVIDIA H200, 9.0\n")
+    assert facts.gpus == (Gpu("NVIDIA H200", "9.0"), Gpu("NVIDIA H200", "9.0"))
