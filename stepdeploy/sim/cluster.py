@@ -93,7 +93,7 @@ def up(cfg: SimConfig, nodes: int, progress: Progress = _quiet) -> SimState:
         progress(f"network: bridge {sim.bridge} {sim.bridge_address}/24, repository {repo.url(sim)}")
         statefile.save(cfg.dir, sim)
         network.ensure_bridge(sim.bridge, f"{sim.bridge_address}/{_prefix(cfg)}")
-        repo.ensure_layout(cfg.dir)
+        repo.ensure_layout(cfg.dir, base.wheelhouse_dir())
         repo.ensure_server(cfg.dir, sim)
         statefile.save(cfg.dir, sim)
         for index in range(len(sim.nodes) + 1, nodes + 1):

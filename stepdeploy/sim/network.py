@@ -16,9 +16,14 @@ def netns_exists(name: str) -> bool:
     return any(entry.get("name") == name for entry in (json.loads(out) if out else []))
 
 
+# The bridge and the host ends of the veths carry jumbo frames, like a switch configured for them; the nodes'
+# eth0 start at the default 1500 and provisioning raises them (MTU 9000 on the training network).
+SWITCH_MTU = 9000
+
+
 def ensure_bridge(bridge: str, address_cidr: str) -> None:
     if not link_exists(bridge):
-        host.run(["ip", "link", "add", bridge, "type", "bridge"])
+        host.run(["ip", "link", "add", bridge, "mtu", str(SWITCH_MTU), "type", "bridge"])
     addrs = host.run(["ip", "-json", "addr", "show", "dev", bridge]).stdout
     have = {f"{a['local']}/{a['prefixlen']}" for link in json.loads(addrs) for a in link.get("addr_info", [])}
     if address_cidr not in have:
@@ -34,8 +39,9 @@ def ensure_node_link(netns: str, veth: str, bridge: str, address_cidr: str) -> N
     if not netns_exists(netns):
         host.run(["ip", "netns", "add", netns])
     if not link_exists(veth):
-        host.run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns])
-    host.run(["ip", "link", "set", veth, "master", bridge, "up"])
+        host.run(["ip", "link", "add", veth, "mtu", str(SWITCH_MTU), "type", "veth",
+                  "peer", "name", "eth0", "mtu", "1500", "netns", netns])
+    host.run(["ip", "link", "set", veth, "master", bridge, "mtu", str(SWITCH_MTU), "up"])
     addrs = host.run(["ip", "-n", netns, "-json", "addr", "show", "dev", "eth0"]).stdout
     have = {f"{a['local']}/{a['prefixlen']}" for link in json.loads(addrs) for a in link.get("addr_info", [])}
     if address_cidr not in have:

@@ -5,6 +5,7 @@ route, so this is also how an air-gapped mirror behaves."""
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 import subprocess
 import sys
@@ -20,12 +21,22 @@ def repo_dir(state_dir: Path) -> Path:
     return state_dir / "repo"
 
 
-def ensure_layout(state_dir: Path) -> None:
+def ensure_layout(state_dir: Path, wheelhouse: Path | None = None) -> None:
+    """Create the repository; seed its wheelhouse with the controller's (the wheels the base was built
+    from: torch CPU and its dependencies), so nodes can build environments offline."""
     apt = repo_dir(state_dir) / "apt"
     apt.mkdir(parents=True, exist_ok=True)
-    (repo_dir(state_dir) / "wheels").mkdir(parents=True, exist_ok=True)
+    wheels = repo_dir(state_dir) / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
     if not (apt / "Packages").exists():
         reindex_apt(state_dir)
+    for wheel in sorted(wheelhouse.glob("*.whl")) if wheelhouse else []:
+        target = wheels / wheel.name
+        if not target.exists():
+            try:
+                os.link(wheel, target)
+            except OSError:  # another filesystem
+                shutil.copy2(wheel, target)
 
 
 def reindex_apt(state_dir: Path) -> None:
