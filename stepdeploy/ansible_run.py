@@ -22,6 +22,7 @@ def runner_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "ANSIBLE_HOST_KEY_CHECKING": "True",  # explicit: never trust an unknown host key
         "ANSIBLE_DEPRECATION_WARNINGS": "False",
         "ANSIBLE_RETRY_FILES_ENABLED": "False",
+        "ANSIBLE_NOCOLOR": "True",  # logs are files; colour codes would only garble them
     }
     env.update(extra or {})
     return env

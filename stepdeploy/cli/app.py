@@ -11,6 +11,9 @@ from stepdeploy.cli import demo as demo_cmd
 from stepdeploy.cli import inventory as inventory_cmd
 from stepdeploy.cli import later as later_cmd
 from stepdeploy.cli import plan as plan_cmd
+from stepdeploy.cli import preflight as preflight_cmd
+from stepdeploy.cli import provision as provision_cmd
+from stepdeploy.cli import render as render_cmd
 from stepdeploy.cli import sim as sim_cmd
 from stepdeploy.cli.output import err
 from stepdeploy.errors import StepdeployError
@@ -48,6 +51,13 @@ def root(
 
 app.add_typer(sim_cmd.app, name="sim")
 app.add_typer(inventory_cmd.app, name="inventory")
+app.command("provision", epilog="Example: stepdeploy provision inventory/dgx.ini --check")(
+    provision_cmd.provision
+)
+app.command("preflight", epilog="Example: stepdeploy preflight inventory/dgx.ini --json")(preflight_cmd.preflight)
+app.command("render", epilog="Example: stepdeploy render -i inventory/dgx.ini --model step-3.5-flash --out runs/r1")(
+    render_cmd.render
+)
 app.command("demo", epilog="Example: stepdeploy demo --nodes 2")(demo_cmd.demo)
 app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i inventory/dgx.ini")(
     plan_cmd.plan

@@ -11,12 +11,6 @@ import typer
 from stepdeploy.errors import NotImplementedYet
 
 _PENDING = {
-    "provision": ("Run the Ansible roles on every node of INVENTORY.",
-                  "stepdeploy provision inventory/dgx.ini"),
-    "preflight": ("Check every node and the cluster before a GPU-day is spent.",
-                  "stepdeploy preflight inventory/dgx.ini"),
-    "render": ("Render launch scripts for a chosen layout into a run directory.",
-               "stepdeploy render -i inventory/dgx.ini --model step-3.5-flash --out runs/r1"),
     "report": ("Summarise a rollout run.", "stepdeploy report runs/r1"),
 }
 

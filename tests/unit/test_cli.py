@@ -54,9 +54,9 @@ def test_version() -> None:
 
 
 def test_unbuilt_verbs_say_so_and_exit_5() -> None:
-    res = _run("provision", "inventory/dgx.ini")
+    res = _run("report", "runs/r1")
     assert res.returncode == 5
-    expected = "error: `stepdeploy provision` is not built yet in this version"
+    expected = "error: `stepdeploy report` is not built yet in this version"
     assert res.stderr.strip().splitlines() == [expected]
 
 

@@ -1,0 +1,1 @@
+"""Provisioning: run the Ansible roles through ansible-runner with live progress."""
