@@ -11,7 +11,7 @@ from stepdeploy.compat import Gpu, HostFacts, gpu_arch, verdict
 from stepdeploy.errors import StepdeployError
 from stepdeploy.stack import COMPONENTS, get_profile
 
-DOCUMENTATION = ""  # noqa: not a module; keeps ansible-doc quiet
+
 
 
 def stepdeploy_profile(name: str) -> dict[str, Any]:
