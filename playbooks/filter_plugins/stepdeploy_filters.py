@@ -12,8 +12,6 @@ from stepdeploy.errors import StepdeployError
 from stepdeploy.stack import COMPONENTS, get_profile
 
 
-
-
 def stepdeploy_profile(name: str) -> dict[str, Any]:
     """The versions of the named stack profile (None = not installed)."""
     try:
