@@ -1,0 +1,255 @@
+"""The rollout ledger: one SQLite database (WAL) in the run directory.
+
+Every transition is written (and committed) before it is acted on, so a controller killed at any instant
+leaves a ledger from which `rollout resume` continues. Rows are never rewritten into the past: a stage's
+status moves forward, attempts and events are appended. One controller at a time holds the run's lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stepdeploy.errors import StepdeployError
+
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY, created REAL NOT NULL, updated REAL NOT NULL, status TEXT NOT NULL,
+    config TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS stages (
+    run_id TEXT NOT NULL, name TEXT NOT NULL, position INTEGER NOT NULL, status TEXT NOT NULL,
+    started REAL, finished REAL, reason TEXT, PRIMARY KEY (run_id, name));
+CREATE TABLE IF NOT EXISTS rungs (
+    run_id TEXT NOT NULL, stage TEXT NOT NULL, name TEXT NOT NULL, position INTEGER NOT NULL,
+    status TEXT NOT NULL, config TEXT NOT NULL, reason TEXT, PRIMARY KEY (run_id, stage, name));
+CREATE TABLE IF NOT EXISTS attempts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, stage TEXT NOT NULL, rung TEXT NOT NULL,
+    number INTEGER NOT NULL, status TEXT NOT NULL, started REAL NOT NULL, finished REAL,
+    detail TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, ts REAL NOT NULL, stage TEXT, rung TEXT,
+    kind TEXT NOT NULL, message TEXT NOT NULL, data TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS verdicts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, ts REAL NOT NULL, stage TEXT NOT NULL,
+    rung TEXT NOT NULL, gate TEXT NOT NULL, passed INTEGER NOT NULL, measured TEXT NOT NULL,
+    threshold TEXT NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS metrics (
+    run_id TEXT NOT NULL, attempt_id INTEGER NOT NULL, ts REAL NOT NULL, rank INTEGER NOT NULL,
+    iteration INTEGER NOT NULL, name TEXT NOT NULL, value REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS metrics_by_attempt ON metrics (attempt_id, name, iteration);
+"""
+
+# Forward-only status transitions: a resumed controller can never move a stage back into the past.
+STAGE_STATES = ("pending", "running", "passed", "failed", "skipped", "stopped")
+_FINAL = {"passed", "skipped"}
+
+
+class LedgerLocked(StepdeployError):
+    """Another controller drives this run."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    position: int
+    status: str
+    started: float | None
+    finished: float | None
+    reason: str | None
+
+
+class Ledger:
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.clock = clock
+        self.db = sqlite3.connect(path, isolation_level=None, timeout=30)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")  # a committed transition survives a power cut
+        self.db.executescript(SCHEMA)
+        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # --- runs and stages -------------------------------------------------------------------------------
+    def create_run(self, run_id: str, config: dict[str, Any], stages: list[str]) -> None:
+        now = self.clock()
+        with self.tx() as db:
+            db.execute("INSERT INTO runs VALUES (?, ?, ?, 'pending', ?)", (run_id, now, now, json.dumps(config)))
+            db.executemany("INSERT INTO stages (run_id, name, position, status) VALUES (?, ?, ?, 'pending')",
+                           [(run_id, name, i) for i, name in enumerate(stages)])
+            self._event(db, run_id, "run", f"run {run_id} created with stages {', '.join(stages)}")
+
+    def run_ids(self) -> list[str]:
+        return [r["id"] for r in self.db.execute("SELECT id FROM runs ORDER BY created")]
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        row = self.db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise StepdeployError(f"no run {run_id!r} in {self.path}")
+        return {**dict(row), "config": json.loads(row["config"])}
+
+    def set_run_status(self, run_id: str, status: str) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE runs SET status = ?, updated = ? WHERE id = ?", (status, self.clock(), run_id))
+            self._event(db, run_id, "run", f"run {status}")
+
+    def stages(self, run_id: str) -> list[Stage]:
+        rows = self.db.execute("SELECT * FROM stages WHERE run_id = ? ORDER BY position", (run_id,))
+        return [Stage(r["name"], r["position"], r["status"], r["started"], r["finished"], r["reason"])
+                for r in rows]
+
+    def next_stage(self, run_id: str) -> Stage | None:
+        """The first stage not finished for good (passed/skipped): where a (resumed) run continues."""
+        return next((s for s in self.stages(run_id) if s.status not in _FINAL), None)
+
+    def set_stage(self, run_id: str, stage: str, status: str, reason: str | None = None) -> None:
+        if status not in STAGE_STATES:
+            raise ValueError(f"unknown stage status {status!r}")
+        now = self.clock()
+        with self.tx() as db:
+            current = db.execute("SELECT status FROM stages WHERE run_id = ? AND name = ?",
+                                 (run_id, stage)).fetchone()
+            if current is None:
+                raise StepdeployError(f"run {run_id!r} has no stage {stage!r}")
+            if current["status"] in _FINAL:
+                raise StepdeployError(f"stage {stage} already {current['status']}; it is never re-run")
+            started = now if status == "running" else None
+            finished = now if status in ("passed", "failed", "skipped", "stopped") else None
+            db.execute("UPDATE stages SET status = ?, reason = ?, started = COALESCE(?, started), "
+                       "finished = ? WHERE run_id = ? AND name = ?",
+                       (status, reason, started, finished, run_id, stage))
+            self._event(db, run_id, "stage", f"{stage} {status}" + (f": {reason}" if reason else ""),
+                        stage=stage)
+
+    # --- rungs, attempts, verdicts, events, metrics ----------------------------------------------------
+    def add_rungs(self, run_id: str, stage: str, rungs: list[tuple[str, dict[str, Any]]]) -> None:
+        with self.tx() as db:
+            db.executemany("INSERT OR IGNORE INTO rungs VALUES (?, ?, ?, ?, 'pending', ?, NULL)",
+                           [(run_id, stage, name, i, json.dumps(cfg)) for i, (name, cfg) in enumerate(rungs)])
+
+    def rungs(self, run_id: str, stage: str) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT * FROM rungs WHERE run_id = ? AND stage = ? ORDER BY position",
+                               (run_id, stage))
+        return [{**dict(r), "config": json.loads(r["config"])} for r in rows]
+
+    def set_rung(self, run_id: str, stage: str, rung: str, status: str, reason: str | None = None) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE rungs SET status = ?, reason = ? WHERE run_id = ? AND stage = ? AND name = ?",
+                       (status, reason, run_id, stage, rung))
+            self._event(db, run_id, "rung", f"{stage}/{rung} {status}" + (f": {reason}" if reason else ""),
+                        stage=stage, rung=rung)
+
+    def start_attempt(self, run_id: str, stage: str, rung: str, detail: dict[str, Any]) -> int:
+        with self.tx() as db:
+            number = db.execute("SELECT COUNT(*) FROM attempts WHERE run_id = ? AND stage = ? AND rung = ?",
+                                (run_id, stage, rung)).fetchone()[0] + 1
+            cur = db.execute("INSERT INTO attempts (run_id, stage, rung, number, status, started, detail) "
+                             "VALUES (?, ?, ?, ?, 'running', ?, ?)",
+                             (run_id, stage, rung, number, self.clock(), json.dumps(detail)))
+            self._event(db, run_id, "attempt", f"{stage}/{rung} attempt {number} started", stage=stage,
+                        rung=rung, data=detail)
+            return int(cur.lastrowid or 0)
+
+    def finish_attempt(self, attempt_id: int, status: str, detail: dict[str, Any] | None = None) -> None:
+        with self.tx() as db:
+            row = db.execute("SELECT * FROM attempts WHERE id = ?", (attempt_id,)).fetchone()
+            merged = {**json.loads(row["detail"]), **(detail or {})}
+            db.execute("UPDATE attempts SET status = ?, finished = ?, detail = ? WHERE id = ?",
+                       (status, self.clock(), json.dumps(merged), attempt_id))
+            self._event(db, row["run_id"], "attempt", f"{row['stage']}/{row['rung']} attempt {row['number']} "
+                        f"{status}", stage=row["stage"], rung=row["rung"], data=detail or {})
+
+    def attempts(self, run_id: str, stage: str | None = None) -> list[dict[str, Any]]:
+        sql, args = "SELECT * FROM attempts WHERE run_id = ?", [run_id]
+        if stage is not None:
+            sql, args = sql + " AND stage = ?", [*args, stage]
+        return [{**dict(r), "detail": json.loads(r["detail"])} for r in self.db.execute(sql + " ORDER BY id", args)]
+
+    def verdict(self, run_id: str, stage: str, rung: str, gate: str, passed: bool, measured: Any,
+                threshold: Any, reason: str) -> None:
+        with self.tx() as db:
+            db.execute("INSERT INTO verdicts (run_id, ts, stage, rung, gate, passed, measured, threshold, reason) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (run_id, self.clock(), stage, rung, gate, int(passed), json.dumps(measured),
+                        json.dumps(threshold), reason))
+            self._event(db, run_id, "gate", f"{stage}/{rung} gate {gate} {'passed' if passed else 'FAILED'}: "
+                        f"{reason}", stage=stage, rung=rung)
+
+    def verdicts(self, run_id: str) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT * FROM verdicts WHERE run_id = ? ORDER BY id", (run_id,))
+        return [{**dict(r), "passed": bool(r["passed"]), "measured": json.loads(r["measured"]),
+                 "threshold": json.loads(r["threshold"])} for r in rows]
+
+    def event(self, run_id: str, kind: str, message: str, *, stage: str | None = None, rung: str | None = None,
+              data: dict[str, Any] | None = None) -> None:
+        with self.tx() as db:
+            self._event(db, run_id, kind, message, stage=stage, rung=rung, data=data)
+
+    def _event(self, db: sqlite3.Connection, run_id: str, kind: str, message: str, *, stage: str | None = None,
+               rung: str | None = None, data: dict[str, Any] | None = None) -> None:
+        db.execute("INSERT INTO events (run_id, ts, stage, rung, kind, message, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                   (run_id, self.clock(), stage, rung, kind, message, json.dumps(data or {})))
+
+    def events(self, run_id: str, since_id: int = 0) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, since_id))
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    def add_metrics(self, run_id: str, attempt_id: int, rows: list[tuple[float, int, int, str, float]]) -> None:
+        """rows: (ts, rank, iteration, name, value), already downsampled by the caller."""
+        with self.tx() as db:
+            db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           [(run_id, attempt_id, *row) for row in rows])
+
+    def metrics(self, run_id: str, name: str) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND name = ? ORDER BY ts, rank",
+                               (run_id, name))
+        return [dict(r) for r in rows]
+
+
+@contextmanager
+def controller_lock(run_dir: Path) -> Iterator[None]:
+    """Exactly one controller per run: a second one is refused with who holds the lock and since when.
+
+    The kernel drops a flock when its holder dies (kill -9 included), so a crashed controller never leaves
+    the run locked.
+    """
+    path = run_dir / "controller.lock"
+    fh = open(path, "a+")  # noqa: SIM115 - held for the lifetime of the context
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another controller"
+            raise LedgerLocked(f"run {run_dir.name} is being driven by {holder}",
+                               hint=f"wait for it, or stop it: stepdeploy rollout stop {run_dir}") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        fh.flush()
+        yield
+    finally:
+        fh.close()
