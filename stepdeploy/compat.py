@@ -7,6 +7,7 @@ call it too. Each conflict names the rule's source and the profiles that would w
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -84,7 +85,7 @@ def gpu_arch(gpu: Gpu) -> tuple[str, str] | None:
         if sm in m["families"]:
             return sm, m["families"][sm]
     for entry in m["gpus"]:
-        if entry["match"].lower() in gpu.name.lower():
+        if re.search(rf"\b{re.escape(entry['match'])}\b", gpu.name, flags=re.IGNORECASE):
             return entry["sm"], entry["family"]
     return None
 

@@ -20,6 +20,9 @@ def test_gpu_arch_from_compute_capability_or_name() -> None:
     assert gpu_arch(Gpu("NVIDIA H200", "9.0")) == ("90", "hopper")
     assert gpu_arch(Gpu("NVIDIA GB10")) == ("121", "blackwell")  # no compute_cap: by name
     assert gpu_arch(Gpu("Some Future GPU")) is None
+    # lspci names, before a driver exists: whole words only (GB10 is not GB100)
+    assert gpu_arch(Gpu('41:00.0 "3D controller" "NVIDIA Corporation" "GB100 [B200]"')) == ("100", "blackwell")
+    assert gpu_arch(Gpu('01:00.0 "3D controller" "NVIDIA Corporation" "GH100 [H200 SXM 141GB]"'))[0] == "90"
 
 
 def test_seed_profile_refused_on_gb10_with_the_conflicts_and_working_profiles() -> None:
