@@ -26,6 +26,8 @@ class GpuSpec(_Frozen):
     cuda_context_mib: int = Field(ge=0)
     # CPU and GPU share one memory pool (GB10): offloading optimizer state to the host frees nothing.
     unified_memory: bool = False
+    # Host (CPU) memory per GPU, the budget for optimizer state offloaded to the CPU; None = unknown.
+    host_memory_gib_per_gpu: float | None = Field(default=None, gt=0)
     sources: list[str] = Field(min_length=1)
 
     @property

@@ -33,6 +33,7 @@ class StageMemory:
     stage: int
     layers: int
     components: dict[str, float]  # bytes per GPU
+    host_offload: float = 0.0  # bytes per GPU moved to host memory (optimizer CPU offload)
 
     @property
     def torch_allocated(self) -> float:
@@ -51,6 +52,17 @@ class MemoryEstimate:
     stages: tuple[StageMemory, ...]
     capacity: float  # bytes a process may use on one GPU
     margin: float
+    host_capacity: float | None = None  # host bytes per GPU for offloaded state; None = unknown
+
+    @property
+    def host_worst(self) -> StageMemory:
+        return max(self.stages, key=lambda stage: stage.host_offload)
+
+    @property
+    def host_fits(self) -> bool:
+        if self.host_capacity is None or not self.host_worst.host_offload:
+            return True
+        return self.host_worst.host_offload <= self.host_capacity * (1 - self.margin)
 
     @property
     def worst(self) -> StageMemory:
@@ -62,7 +74,7 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.worst.total <= self.budget
+        return self.worst.total <= self.budget and self.host_fits
 
     @property
     def overflow(self) -> float:
@@ -82,12 +94,12 @@ def _state_bytes(
     held = stage_params(params, stage, layout)
     dense_shards, expert_shards = _optimizer_shards(job, layout)
     optimizer = OPTIMIZER_BYTES * (held.dense / dense_shards + held.expert / expert_shards)
-    if layout.optimizer_cpu_offload and not unified:
-        optimizer = 0.0
+    offloaded = optimizer if layout.optimizer_cpu_offload and not unified else 0.0
     return {
         "weights": WEIGHT_BYTES * held.total,
         "gradients": GRAD_BYTES * held.total,
-        "optimizer": optimizer,
+        "optimizer": optimizer - offloaded,
+        "host_offload": offloaded,
     }
 
 
@@ -127,6 +139,7 @@ def stage_memory(
     params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: Stage
 ) -> StageMemory:
     parts = _state_bytes(params, job, layout, stage, cluster.gpu.unified_memory)
+    host_offload = parts.pop("host_offload")
     parts["activations"] = _activation_bytes(job, layout, stage)
     parts["logits"] = act.logits_bytes(job.model, layout, job.seq_length) if stage.last else 0.0
     parts["dispatcher"] = _dispatcher_bytes(job, layout, stage)
@@ -135,7 +148,7 @@ def stage_memory(
     parts["cuda_context"] = cluster.gpu.cuda_context_mib * MIB
     parts["fragmentation"] = FRAGMENTATION * allocated
     decoder_layers = sum(1 for layer in stage.layers if not layer.mtp_extra)
-    return StageMemory(stage.index, decoder_layers, parts)
+    return StageMemory(stage.index, decoder_layers, parts, host_offload=host_offload)
 
 
 def estimate_memory(
@@ -144,4 +157,6 @@ def estimate_memory(
     per_stage = tuple(
         stage_memory(params, job, layout, cluster, stage) for stage in stages(params, job, layout)
     )
-    return MemoryEstimate(per_stage, capacity=float(cluster.gpu.usable_bytes), margin=margin)
+    host = cluster.gpu.host_memory_gib_per_gpu
+    return MemoryEstimate(per_stage, capacity=float(cluster.gpu.usable_bytes), margin=margin,
+                          host_capacity=host * 1024**3 if host else None)

@@ -14,7 +14,10 @@ from stepdeploy.plan.memory import COMPONENTS, MemoryEstimate
 from stepdeploy.plan.params import LayerParams, ParamCount
 from stepdeploy.plan.search import PlanResult, Verdict
 
-RULE_SUMMARY = {rule.name: rule.summary for rule in RULES} | {"memory": "does not fit in GPU memory"}
+RULE_SUMMARY = {rule.name: rule.summary for rule in RULES} | {
+    "memory": "does not fit in GPU memory",
+    "host-memory": "offloaded optimizer state does not fit in host memory",
+}
 
 
 def gib(value: float) -> str:

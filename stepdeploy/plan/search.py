@@ -38,6 +38,10 @@ class Verdict:
     def reason(self) -> str:
         if self.violations:
             return self.violations[0].reason
+        if self.memory and not self.memory.host_fits:
+            worst = self.memory.host_worst
+            return (f"offloaded optimizer state does not fit in host memory on stage {worst.stage} "
+                    f"({worst.host_offload / 1024**3:.0f} GiB per GPU)")
         if self.memory and not self.memory.fits:
             worst = self.memory.worst
             return f"out of memory on stage {worst.stage} (largest: {worst.largest()})"
@@ -152,6 +156,8 @@ def search(
             result.fitting.append(verdict)
         elif verdict.violations:
             result.reject(verdict, verdict.violations[0].rule)
+        elif verdict.memory is not None and not verdict.memory.host_fits:
+            result.reject(verdict, "host-memory")
         else:
             result.reject(verdict, "memory")
     result.fitting.sort(key=_speed, reverse=True)

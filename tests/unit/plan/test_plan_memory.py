@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from stepdeploy.catalog import MIB, load_model
+from stepdeploy.catalog import MIB, load_hardware, load_model
 from stepdeploy.plan.activations import in_flight_microbatches
 from stepdeploy.plan.cluster import cluster_shape
 from stepdeploy.plan.layout import Job, Layout
 from stepdeploy.plan.memory import estimate_memory
 from stepdeploy.plan.params import count_parameters
+from stepdeploy.plan.search import judge
 
 TINY = load_model("tiny-dense")
 PARAMS = count_parameters(TINY)
@@ -95,6 +96,21 @@ def test_offload_frees_gpu_memory_but_not_on_unified_memory() -> None:
     offload = Layout(optimizer_cpu_offload=True, precision_aware_optimizer=True)
     assert _stage0(1, offload).components["optimizer"] == 0
     assert _stage0(1, offload, gpu="GB10").components["optimizer"] == 12 * TOTAL
+    assert _stage0(1, offload).host_offload == 12 * TOTAL  # the state moved to the host, not away
+    assert _stage0(1, offload, gpu="GB10").host_offload == 0
+
+
+def test_offloaded_state_must_fit_in_host_memory() -> None:
+    """175B on TP8 x DP2 without the distributed optimizer: each GPU offloads 12 B x 175B / 8 = ~244 GiB of
+    optimizer state, more than the 256 GiB (less the 10 % margin) a DGX has per GPU."""
+    seed = load_model("gpt3-175b-seed")
+    cluster = cluster_shape(2, 8, "H200", "ib-400g")
+    layout = Layout(tp=8, pp=1, recompute="full", distributed_optimizer=False, optimizer_cpu_offload=True,
+                    precision_aware_optimizer=True)
+    verdict = judge(count_parameters(seed), Job(seed, 2048, 16, 16), layout, cluster, load_hardware())
+    assert verdict.memory is not None and not verdict.memory.host_fits
+    assert verdict.memory.host_worst.host_offload == pytest.approx(12 * count_parameters(seed).total / 8, rel=0.01)
+    assert "does not fit in host memory" in verdict.reason()
 
 
 def test_moe_activations_use_expert_width_and_topk() -> None:
