@@ -1,0 +1,77 @@
+"""The stages and the scaling ladder of a rollout (pure: a cluster and a target model in, rungs out).
+
+The seed's advice made concrete: validate a ~1B proxy first, on one GPU, then all GPUs of one node, then
+all nodes, then the target model on all nodes. A rung the cluster cannot hold, or one that would repeat
+the previous rung exactly (a CPU node has one slot), is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stepdeploy.errors import BadInput
+from stepdeploy.inventory.model import Cluster
+
+STAGES = ("warmup", "scale", "soak")
+CPU_PROXY = "tiny-dense"  # CPU nodes (simulated cluster, CI): the torch engine
+GPU_PROXY = "proxy-0.7b-dense"  # ~0.7B, the H200 baseline of FACTS
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    model: str
+    nodes: int  # the first `nodes` nodes of the inventory
+    nproc_per_node: int
+    skip_reason: str | None = None
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model": self.model, "nodes": self.nodes, "nproc_per_node": self.nproc_per_node,
+                "world": self.world, "skip_reason": self.skip_reason}
+
+
+def slots_per_node(cluster: Cluster) -> int:
+    """Ranks a node runs: its GPUs, or one process on a CPU node."""
+    return max(cluster.nodes[0].gpus_per_node or 0, 1)
+
+
+def parse_stages(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in STAGES]
+    if unknown or not names:
+        raise BadInput(f"unknown stage {', '.join(unknown) or '(none)'}; stages are {', '.join(STAGES)}")
+    return tuple(s for s in STAGES if s in names)  # always in rollout order
+
+
+def scale_ladder(cluster: Cluster, target_model: str, proxy_model: str | None = None) -> list[Rung]:
+    slots = slots_per_node(cluster)
+    proxy = proxy_model or (GPU_PROXY if cluster.nodes[0].gpus_per_node else CPU_PROXY)
+    n = len(cluster.nodes)
+    wanted = [
+        Rung("proxy-1-gpu", proxy, 1, 1),
+        Rung("proxy-1-node", proxy, 1, slots),
+        Rung("proxy-all-nodes", proxy, n, slots),
+        Rung("target-all-nodes", target_model, n, slots),
+    ]
+    rungs: list[Rung] = []
+    for rung in wanted:
+        same = next((r for r in rungs if not r.skip_reason and (r.model, r.nodes, r.nproc_per_node)
+                     == (rung.model, rung.nodes, rung.nproc_per_node)), None)
+        if same is not None:
+            rung = Rung(rung.name, rung.model, rung.nodes, rung.nproc_per_node,
+                        skip_reason=f"same as rung {same.name} on this cluster ({rung.world} rank(s))")
+        rungs.append(rung)
+    return rungs
+
+
+def target_rung(cluster: Cluster, target_model: str) -> Rung:
+    """What warmup and soak run: the target model on every slot of every node."""
+    return Rung("target", target_model, len(cluster.nodes), slots_per_node(cluster))
+
+
+def sub_cluster(cluster: Cluster, nodes: int) -> Cluster:
+    return cluster.model_copy(update={"nodes": cluster.nodes[:nodes]})

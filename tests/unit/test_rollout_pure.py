@@ -1,0 +1,89 @@
+"""Rollout's pure parts: the scaling ladder a cluster gets, and each gate's verdict on given metrics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from stepdeploy.errors import BadInput
+from stepdeploy.inventory import load_cluster
+from stepdeploy.rollout import gates
+from stepdeploy.rollout.ladder import parse_stages, scale_ladder, sub_cluster, target_rung
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_dgx_pair_gets_four_rungs_from_one_gpu_to_the_target() -> None:
+    cluster = load_cluster(ROOT / "inventory/dgx.ini")
+    rungs = scale_ladder(cluster, "step-3.5-flash")
+    assert [(r.name, r.model, r.nodes, r.nproc_per_node, r.skip_reason) for r in rungs] == [
+        ("proxy-1-gpu", "proxy-0.7b-dense", 1, 1, None),
+        ("proxy-1-node", "proxy-0.7b-dense", 1, 8, None),
+        ("proxy-all-nodes", "proxy-0.7b-dense", 2, 8, None),
+        ("target-all-nodes", "step-3.5-flash", 2, 8, None),
+    ]
+    assert target_rung(cluster, "step-3.5-flash").world == 16
+    assert [n.name for n in sub_cluster(cluster, 1).nodes] == ["dgx-01"]
+
+
+def test_cpu_nodes_skip_the_rung_that_would_repeat_the_previous_one(tmp_path: Path) -> None:
+    inv = tmp_path / "inv.ini"
+    inv.write_text("[sim]\nnode1 ansible_host=10.9.0.11\nnode2 ansible_host=10.9.0.12\n"
+                   "[sim:vars]\nstepdeploy_gpus_per_node=0\nstepdeploy_profile=sim-cpu\n")
+    rungs = scale_ladder(load_cluster(inv), "tiny-moe")
+    assert [r.model for r in rungs] == ["tiny-dense"] * 3 + ["tiny-moe"]
+    assert rungs[1].skip_reason == "same as rung proxy-1-gpu on this cluster (1 rank(s))"
+    assert [r.world for r in rungs if not r.skip_reason] == [1, 2, 2]
+
+
+def test_parse_stages_orders_and_refuses_unknown() -> None:
+    assert parse_stages("soak,warmup") == ("warmup", "soak")
+    with pytest.raises(BadInput, match="unknown stage burnin"):
+        parse_stages("warmup,burnin")
+
+
+def _metrics(losses: list[float], tok: float = 1000.0) -> list[dict]:
+    return [{"iteration": i + 1, "loss": loss, "step_time_s": 2.0 if i == 0 else 0.5, "tokens_per_s": tok}
+            for i, loss in enumerate(losses)]
+
+
+def test_loss_gates() -> None:
+    t = gates.Thresholds()
+    assert gates.losses_finite(_metrics([3.0, 2.0])).passed
+    nan = gates.losses_finite(_metrics([3.0, math.nan, 2.0]))
+    assert not nan.passed and nan.reason == "non-finite loss at iteration 2"
+    falling = gates.loss_falling(_metrics([5, 5, 5, 4, 3, 2]), t)
+    assert falling.passed and falling.measured == {"first": 5.0, "last": 3.0}
+    assert not gates.loss_falling(_metrics([2, 2, 2, 3, 3, 3]), t).passed
+    assert not gates.loss_falling(_metrics([5, 4]), t).passed  # too few iterations to tell
+
+
+def test_step_times_and_throughput() -> None:
+    m = _metrics([5, 4, 3, 2], tok=800.0)
+    assert gates.steady_step_time(m) == (2.0, 0.5)
+    assert gates.throughput_per_gpu(m, gpus=2) == 400.0
+
+
+def test_scaling_efficiency_gate() -> None:
+    t = gates.Thresholds(min_scaling_efficiency=0.7)
+    assert gates.scaling_efficiency(500.0, None, t).passed  # the first rung is the baseline
+    ok = gates.scaling_efficiency(750.0, 1000.0, t)
+    assert ok.passed and ok.measured == 0.75
+    slow = gates.scaling_efficiency(600.0, 1000.0, t)
+    assert not slow.passed and "(< 0.7)" in slow.reason
+
+
+def test_memory_gate() -> None:
+    t = gates.Thresholds(memory_tolerance=0.05)
+    assert gates.memory_matches_plan(29.1, 28.0, t).passed
+    off = gates.memory_matches_plan(35.0, 28.0, t)
+    assert not off.passed and "+25.0%" in off.reason
+    assert gates.memory_matches_plan(None, 28.0, t).passed  # CPU run: not judged, and says so
+
+
+def test_completed_gate_names_the_culprit() -> None:
+    v = gates.completed(False, ["node node2 rank 1: died without exiting", "node node1 rank 0: exited 3"])
+    assert not v.passed and v.reason == "node node2 rank 1: died without exiting"
+    assert gates.completed(True, []).passed
