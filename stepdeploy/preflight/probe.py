@@ -1,0 +1,134 @@
+"""The probe: one POSIX shell script run on every node, printing each command's output as a section.
+
+One script means one SSH round trip per node. Every command runs under `timeout`, so one hung tool
+(an nvidia-smi stuck on a broken GPU) fails its own check instead of the whole node. Pure: building the
+script and splitting its output touch nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import shlex
+from dataclasses import dataclass
+
+from stepdeploy.preflight.model import Section
+
+MARK = "@@stepdeploy-preflight@@"
+DEFAULT_PYTHONS = ("/opt/stepdeploy/venv/bin/python", "python3")
+
+# What the python section prints: the versions the training stack needs, as one JSON object.
+PYTHON_ENV = r"""
+import json, platform, sys
+from importlib import metadata
+out = {"python": platform.python_version(), "executable": sys.executable}
+def version(*names):
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+def importable(module):
+    try:
+        __import__(module)
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+try:
+    import torch
+    out["torch"] = torch.__version__
+    out["torch_cuda"] = torch.version.cuda
+    out["cuda_available"] = torch.cuda.is_available()
+    out["cuda_devices"] = torch.cuda.device_count() if out["cuda_available"] else 0
+    try:
+        out["torch_nccl"] = ".".join(str(p) for p in torch.cuda.nccl.version())
+    except Exception:
+        out["torch_nccl"] = None
+except Exception as exc:
+    out["torch"] = None
+    out["torch_error"] = f"{type(exc).__name__}: {exc}"[:300]
+out["megatron_core"] = version("megatron-core", "megatron_core")
+if out["megatron_core"]:
+    out["megatron_core_error"] = importable("megatron.core")
+out["flash_attn"] = version("flash-attn", "flash_attn", "flash-attn-3", "flash_attn_3", "flash-attn-4")
+if out["flash_attn"]:
+    out["flash_attn_error"] = importable("flash_attn") if version("flash-attn", "flash_attn") else None
+print(json.dumps(out))
+"""
+
+IB_PORTS = r"""
+for p in /sys/class/infiniband/*/ports/*; do
+  [ -d "$p" ] || continue
+  dev=$(basename "$(dirname "$(dirname "$p")")")
+  nd=$(ls "/sys/class/infiniband/$dev/device/net" 2>/dev/null | head -n1)
+  mtu=$( [ -n "$nd" ] && cat "/sys/class/net/$nd/mtu" 2>/dev/null)
+  gid=$(cat "$p/gids/3" 2>/dev/null)
+  layer=$(cat "$p/link_layer" 2>/dev/null)
+  echo "$dev|$(basename "$p")|$(cat "$p/state")|$(cat "$p/rate")|$layer|${nd:--}|${mtu:--}|${gid:--}"
+done
+"""
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What a node is asked. `pythons`: interpreters tried in order (the first that exists is used)."""
+
+    train_iface: str | None = None
+    checkpoint_dir: str = "/"
+    pythons: tuple[str, ...] = DEFAULT_PYTHONS
+    section_timeout_s: int = 30
+
+
+def commands(spec: ProbeSpec) -> dict[str, str]:
+    """Section name -> POSIX shell command."""
+    pick_python = " ".join(shlex.quote(p) for p in spec.pythons)
+    iface = shlex.quote(spec.train_iface or "")
+    ckpt = shlex.quote(spec.checkpoint_dir)
+    return {
+        "uname": "uname -s -r -m",
+        "os_release": "cat /etc/os-release",
+        "nvidia_smi": "nvidia-smi -q -x",
+        "nvidia_topo": "nvidia-smi topo -m",
+        "nccl_pkg": "dpkg-query -W -f='${Package} ${Version}\\n' 'libnccl2*' 2>/dev/null || true",
+        "python": (f"for p in {pick_python}; do if command -v \"$p\" >/dev/null 2>&1; then "
+                   f"exec \"$p\" -c {shlex.quote(PYTHON_ENV)}; fi; done; echo 'no python found'; exit 127"),
+        "modules": "cat /proc/modules",
+        "memlock": "ulimit -l",
+        "shm": "df -P -k /dev/shm",
+        "disk": f"d={ckpt}; while [ ! -e \"$d\" ]; do d=$(dirname \"$d\"); done; echo \"$d\"; df -P -k \"$d\"",
+        "ib_ports": IB_PORTS,
+        "iface": (f"i={iface}; [ -n \"$i\" ] || exit 0; cat /sys/class/net/$i/mtu && ip -o -4 addr show dev $i"
+                  if spec.train_iface else "true"),
+        "kernel_log": ("if log=$(dmesg 2>/dev/null); then printf '%s\\n' \"$log\" | grep -E 'NVRM: Xid' "
+                       "| tail -n 200; exit 0; fi; echo 'cannot read the kernel log (dmesg)'; exit 3"),
+    }
+
+
+def script(spec: ProbeSpec) -> str:
+    """The whole probe: every section framed by markers, each under its own timeout."""
+    lines = ["exec 2>&1"]
+    for name, cmd in commands(spec).items():
+        lines.append(f"echo '{MARK} begin {name}'")
+        lines.append(f"timeout -k 2 {spec.section_timeout_s} sh -c {shlex.quote(cmd)} </dev/null; rc=$?")
+        lines.append(f"echo; echo \"{MARK} end {name} $rc\"")
+    return "\n".join(lines) + "\n"
+
+
+def remote_command(spec: ProbeSpec) -> str:
+    """A one-line command that runs the probe under sh wherever the login shell is (no quoting issues)."""
+    encoded = base64.b64encode(script(spec).encode()).decode()
+    return f"echo {encoded} | base64 -d | sh"
+
+
+_SECTION = re.compile(rf"^{re.escape(MARK)} begin (\S+)\n(.*?)\n?^{re.escape(MARK)} end \1 (\d+)$",
+                      re.MULTILINE | re.DOTALL)
+
+
+def split(output: str) -> dict[str, Section]:
+    """Probe output -> {section: Section}. A section cut off (the node died mid-probe) is absent."""
+    sections = {}
+    for match in _SECTION.finditer(output):
+        text = match.group(2)
+        sections[match.group(1)] = Section(rc=int(match.group(3)), text=text.rstrip("\n"))
+    return sections
