@@ -138,7 +138,7 @@ class Ledger:
                 raise StepdeployError(f"stage {stage} already {current['status']}; it is never re-run")
             started = now if status == "running" else None
             finished = now if status in ("passed", "failed", "skipped", "stopped") else None
-            db.execute("UPDATE stages SET status = ?, reason = ?, started = COALESCE(?, started), "
+            db.execute("UPDATE stages SET status = ?, reason = ?, started = COALESCE(started, ?), "
                        "finished = ? WHERE run_id = ? AND name = ?",
                        (status, reason, started, finished, run_id, stage))
             self._event(db, run_id, "stage", f"{stage} {status}" + (f": {reason}" if reason else ""),

@@ -14,6 +14,7 @@ from stepdeploy.cli import plan as plan_cmd
 from stepdeploy.cli import preflight as preflight_cmd
 from stepdeploy.cli import provision as provision_cmd
 from stepdeploy.cli import render as render_cmd
+from stepdeploy.cli import report as report_cmd
 from stepdeploy.cli import sim as sim_cmd
 from stepdeploy.cli.output import err
 from stepdeploy.errors import StepdeployError
@@ -58,6 +59,7 @@ app.command("preflight", epilog="Example: stepdeploy preflight inventory/dgx.ini
 app.command("render", epilog="Example: stepdeploy render -i inventory/dgx.ini --model step-3.5-flash --out runs/r1")(
     render_cmd.render
 )
+app.command("report", epilog="Example: stepdeploy report runs/r1 --html runs/r1/report.html")(report_cmd.report)
 app.command("demo", epilog="Example: stepdeploy demo --nodes 2")(demo_cmd.demo)
 app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i inventory/dgx.ini")(
     plan_cmd.plan

@@ -10,9 +10,7 @@ import typer
 
 from stepdeploy.errors import NotImplementedYet
 
-_PENDING = {
-    "report": ("Summarise a rollout run.", "stepdeploy report runs/r1"),
-}
+_PENDING: dict[str, tuple[str, str]] = {}
 
 
 def register(app: typer.Typer) -> None:

@@ -54,9 +54,9 @@ def test_version() -> None:
 
 
 def test_unbuilt_verbs_say_so_and_exit_5() -> None:
-    res = _run("report", "runs/r1")
+    res = _run("rollout", "run", "-i", "inventory/dgx.ini")
     assert res.returncode == 5
-    expected = "error: `stepdeploy report` is not built yet in this version"
+    expected = "error: `stepdeploy rollout run` is not built yet in this version"
     assert res.stderr.strip().splitlines() == [expected]
 
 

@@ -1,0 +1,67 @@
+"""`stepdeploy report RUN`: what a rollout run did, read from its ledger (it never changes the run).
+
+Exit codes: 0 the report was made (whatever the run's outcome), 2 no run directory / ledger / run in it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from stepdeploy.cli.output import emit_json, info, out
+from stepdeploy.errors import BadInput
+from stepdeploy.ledger import Ledger
+from stepdeploy.report import read_run, renderables, summarise, write_report
+from stepdeploy.report.summary import RunData
+
+LEDGER_FILE = "ledger.sqlite"
+TABLE_WIDTH = 150  # tables stay readable when stdout is a pipe (rich assumes 80 columns there)
+
+
+def report(
+    run: Path = typer.Argument(..., help="The run directory (holds ledger.sqlite)."),
+    html: Path | None = typer.Option(None, "--html", help="Also write an HTML report here, PNG plots next to it."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
+) -> None:
+    """Summarise a rollout run: stages, gate verdicts, key figures; optionally an HTML report with plots."""
+    data = load(run)
+    summary = summarise(data)
+    if json_out:
+        emit_json(summary.to_json())
+    else:
+        console = out if out.is_terminal else Console(file=sys.stdout, width=TABLE_WIDTH, highlight=False)
+        console.print(renderables(summary))
+    if html is not None:
+        written = write_report(data, summary, html)
+        info(f"wrote {html} and {len(written) - 1} plot(s) next to it")
+
+
+def load(run_dir: Path) -> RunData:
+    """The run's ledger rows; BadInput (exit 2) when there is no run to report on."""
+    hint = "stepdeploy rollout list  (shows the runs and their directories)"
+    if not run_dir.is_dir():
+        raise BadInput(f"{run_dir} is not a run directory", hint=hint)
+    path = run_dir / LEDGER_FILE
+    if not path.is_file():
+        raise BadInput(f"{run_dir} has no {LEDGER_FILE}: not a rollout run directory", hint=hint)
+    try:
+        ledger = Ledger(path)
+    except sqlite3.DatabaseError as exc:
+        raise BadInput(f"{path} is not a readable ledger: {exc}", hint=hint) from exc
+    try:
+        return read_run(ledger, _run_id(ledger, run_dir))
+    finally:
+        ledger.close()
+
+
+def _run_id(ledger: Ledger, run_dir: Path) -> str:
+    """The run named after its directory, else the most recent run in the ledger."""
+    ids = ledger.run_ids()
+    if not ids:
+        raise BadInput(f"{run_dir / LEDGER_FILE} holds no run yet",
+                       hint=f"start one: stepdeploy rollout run -i INVENTORY --run-dir {run_dir}")
+    return run_dir.name if run_dir.name in ids else ids[-1]

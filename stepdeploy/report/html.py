@@ -1,0 +1,54 @@
+"""The HTML report: one self-contained file (inline CSS, no scripts) with its PNG plots written next to it.
+
+Rendered from templates/report.html.j2 with StrictUndefined and autoescape on: every value from the ledger
+(stage reasons, event messages, gate names, the run's config) is HTML-escaped where it lands.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import jinja2
+
+from stepdeploy.render.templating import TEMPLATES_DIR
+from stepdeploy.report import terminal
+from stepdeploy.report.plots import Plot, write_plots
+from stepdeploy.report.summary import RunData, Summary, is_fault
+
+TEMPLATE = "report.html.j2"
+
+
+@cache
+def environment(directory: Path = TEMPLATES_DIR) -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(directory)), undefined=jinja2.StrictUndefined,
+                             autoescape=True, keep_trailing_newline=True)
+    env.filters.update(number=terminal.fmt_number, loss=terminal.fmt_loss, count=terminal.fmt_count,
+                       percent=terminal.fmt_percent, duration=terminal.fmt_duration, value=terminal.fmt_value,
+                       time=terminal.fmt_time)
+    return env
+
+
+def render_html(summary: Summary, plots: list[Plot], *, generated: float) -> str:
+    """Pure: the report's text. Plots are referenced by file name, relative to the HTML file."""
+    return environment().get_template(TEMPLATE).render(
+        summary=summary,
+        figures=summary.figures,
+        plots=[{"file": p.path.name, "title": p.title, "caption": p.caption} for p in plots],
+        notable=summary.notable_events(),
+        is_fault=is_fault,
+        config=json.dumps(summary.config, indent=2, sort_keys=True, default=str),
+        generated=generated,
+    )
+
+
+def write_report(data: RunData, summary: Summary, html_path: Path, *,
+                 clock: Callable[[], float] = time.time) -> list[Path]:
+    """Write the PNGs (named after the HTML file) and then the HTML; return every path written."""
+    html_path.parent.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(data, html_path.parent, html_path.stem)
+    html_path.write_text(render_html(summary, plots, generated=clock()), encoding="utf-8")
+    return [*(p.path for p in plots), html_path]

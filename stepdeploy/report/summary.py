@@ -1,0 +1,273 @@
+"""A rollout run, summarised: ledger rows in, a `Summary` dataclass out (pure, apart from `read_run`).
+
+Figures are per rung (a stage without rungs counts as one, named after its attempts). `n/a` (None here)
+wherever the ledger holds nothing to compute a figure from: a stage that never ran, a run that failed early,
+a CPU run without memory metrics.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import Any
+
+from stepdeploy.ledger import Ledger, Stage
+
+# The workload's metric keys (stepdeploy/workload/metrics.py METRIC_KEYS, which cannot be imported here:
+# it is shipped to the nodes as a loose file) that the report reads back from the ledger.
+METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
+                "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu")
+LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate")  # anything else counts as a fault/notice
+
+
+@dataclass(frozen=True)
+class RunData:
+    """Everything the ledger holds about one run, as plain rows."""
+
+    run: dict[str, Any]
+    stages: list[Stage]
+    rungs: dict[str, list[dict[str, Any]]]
+    attempts: list[dict[str, Any]]
+    verdicts: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    metrics: dict[str, list[dict[str, Any]]]
+
+    @cached_property
+    def last_seen(self) -> float:
+        """The latest time the ledger knows of: where a still-running stage or attempt ends for now."""
+        times = [self.run["updated"], *(e["ts"] for e in self.events)]
+        times += [row["ts"] for rows in self.metrics.values() for row in rows]
+        return max(times)
+
+    def end_of(self, finished: float | None) -> float:
+        return finished if finished is not None else self.last_seen
+
+    @cached_property
+    def segment_of(self) -> dict[int, tuple[str, str]]:
+        """attempt id -> (stage, rung): metrics rows only name their attempt."""
+        return {a["id"]: (a["stage"], a["rung"]) for a in self.attempts}
+
+    @cached_property
+    def _by_segment(self) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+        index: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+        for name, rows in self.metrics.items():
+            for row in rows:
+                if row["attempt_id"] in self.segment_of:
+                    index[(*self.segment_of[row["attempt_id"]], name)].append(row)
+        return index
+
+    def segment_metrics(self, name: str, stage: str, rung: str) -> list[dict[str, Any]]:
+        """One rung's rows of one metric, in ledger order (time, then rank)."""
+        return self._by_segment.get((stage, rung, name), [])
+
+
+def read_run(ledger: Ledger, run_id: str) -> RunData:
+    stages = ledger.stages(run_id)
+    return RunData(run=ledger.run(run_id), stages=stages,
+                   rungs={s.name: ledger.rungs(run_id, s.name) for s in stages},
+                   attempts=ledger.attempts(run_id), verdicts=ledger.verdicts(run_id),
+                   events=ledger.events(run_id), metrics={n: ledger.metrics(run_id, n) for n in METRIC_NAMES})
+
+
+@dataclass(frozen=True)
+class RungFigures:
+    stage: str
+    rung: str
+    status: str
+    reason: str | None
+    attempts: int
+    failed_attempts: int
+    steps: int | None  # the highest iteration any attempt of the rung reached
+    final_loss: float | None
+    # tokens/s, step time and skew: from the rung's last attempt (a failed try before it would blur them)
+    tokens_per_s: float | None  # median
+    step_time_s: float | None  # median
+    rank_skew: float | None  # (slowest rank's mean step time - fastest's) / fastest's; needs >= 2 ranks
+    slowest_rank: int | None
+    peak_mem_gib: float | None
+    wall_s: float | None  # summed over attempts (a running one: until the ledger's last record)
+    detail: dict[str, Any]  # the last attempt's detail (rung, nodes, model, ...)
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    name: str
+    status: str
+    reason: str | None
+    started: float | None  # its first start (the ledger keeps the latest, after a resume)
+    finished: float | None  # None while running
+    wall_s: float | None  # first start to finish (or to the ledger's last record while running)
+    rungs: list[RungFigures]
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    ts: float
+    stage: str
+    rung: str
+    gate: str
+    passed: bool
+    measured: Any
+    threshold: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class KeyFigures:
+    steps: int | None
+    final_loss: float | None
+    final_loss_from: str | None  # stage/rung the figure comes from
+    tokens_per_s: float | None
+    tokens_per_s_from: str | None
+    rank_skew: float | None
+    slowest_rank: int | None
+    rank_skew_from: str | None
+    peak_mem_gib: float | None
+    attempts: int
+    restarts: int  # attempts beyond the first of their rung
+    wall_s: float | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    run_id: str
+    status: str
+    created: float
+    updated: float
+    config: dict[str, Any]
+    stages: list[StageSummary]
+    gates: list[GateVerdict]
+    figures: KeyFigures
+    events: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def notable_events(self) -> list[dict[str, Any]]:
+        """Failures, failed gates and every event of a kind the ledger itself does not write (faults)."""
+        return [e for e in self.events if is_fault(e) or "failed" in e["message"].lower()]
+
+
+def is_fault(event: dict[str, Any]) -> bool:
+    return event["kind"] not in LEDGER_EVENT_KINDS
+
+
+def summarise(data: RunData) -> Summary:
+    stages = [_stage(data, stage) for stage in data.stages]
+    gates = [GateVerdict(v["ts"], v["stage"], v["rung"], v["gate"], v["passed"], v["measured"], v["threshold"],
+                         v["reason"]) for v in data.verdicts]
+    run = data.run
+    return Summary(run["id"], run["status"], run["created"], run["updated"], run["config"], stages, gates,
+                   _key_figures(data, stages), data.events)
+
+
+def stage_span(data: RunData, stage: Stage) -> tuple[float | None, float | None]:
+    """First start to last finish: a resumed stage's `started` is its latest start, attempts keep the first."""
+    attempts = [a for a in data.attempts if a["stage"] == stage.name]
+    starts = [t for t in [stage.started, *(a["started"] for a in attempts)] if t is not None]
+    ends = [data.end_of(a["finished"]) for a in attempts]
+    if stage.finished is not None:
+        return min(starts, default=None), stage.finished
+    end = data.last_seen if stage.status == "running" else max(ends, default=None)
+    return min(starts, default=None), end
+
+
+def _stage(data: RunData, stage: Stage) -> StageSummary:
+    started, finished = stage_span(data, stage)
+    wall = finished - started if started is not None and finished is not None else None
+    return StageSummary(stage.name, stage.status, stage.reason, started, stage.finished, wall,
+                        [_rung(data, stage.name, rung) for rung in _rung_names(data, stage.name)])
+
+
+def _rung_names(data: RunData, stage: str) -> list[str]:
+    names = [r["name"] for r in data.rungs.get(stage, [])]
+    names += [a["rung"] for a in data.attempts if a["stage"] == stage and a["rung"] not in names]
+    return list(dict.fromkeys(names))
+
+
+def _rung(data: RunData, stage: str, rung: str) -> RungFigures:
+    row = next((r for r in data.rungs.get(stage, []) if r["name"] == rung), None)
+    attempts = [a for a in data.attempts if a["stage"] == stage and a["rung"] == rung]
+    status = row["status"] if row else (attempts[-1]["status"] if attempts else "pending")
+
+    def values(name: str) -> list[float]:
+        return [m["value"] for m in data.segment_metrics(name, stage, rung)]
+
+    def latest(name: str) -> list[dict[str, Any]]:
+        """Rows of the rung's last attempt that recorded `name`: what its gate judged, not a failed try."""
+        rows = data.segment_metrics(name, stage, rung)
+        return [r for r in rows if r["attempt_id"] == rows[-1]["attempt_id"]] if rows else []
+
+    skew, slowest = rank_skew(latest("rank_step_time_s"))
+    return RungFigures(
+        stage=stage, rung=rung, status=status, reason=row["reason"] if row else None,
+        attempts=len(attempts), failed_attempts=sum(a["status"] == "failed" for a in attempts),
+        steps=_steps(data, stage, rung), final_loss=_last(values("loss")),
+        tokens_per_s=_median([r["value"] for r in latest("tokens_per_s")]),
+        step_time_s=_median([r["value"] for r in latest("step_time_s")]),
+        rank_skew=skew, slowest_rank=slowest, peak_mem_gib=max(values("mem_peak_gib"), default=None),
+        wall_s=_attempts_wall(data, attempts), detail=attempts[-1]["detail"] if attempts else {})
+
+
+def _steps(data: RunData, stage: str, rung: str) -> int | None:
+    iterations = [m["iteration"] for name in METRIC_NAMES for m in data.segment_metrics(name, stage, rung)]
+    return max(iterations, default=None)
+
+
+def rank_skew(rows: list[dict[str, Any]]) -> tuple[float | None, int | None]:
+    """(skew, slowest rank) from per-rank step times; None when fewer than two ranks reported."""
+    per_rank: dict[int, list[float]] = defaultdict(list)
+    for row in rows:
+        per_rank[row["rank"]].append(row["value"])
+    if len(per_rank) < 2:
+        return None, None
+    means = {rank: statistics.fmean(v) for rank, v in per_rank.items()}
+    slowest, fastest = max(means, key=means.__getitem__), min(means.values())
+    return ((means[slowest] - fastest) / fastest if fastest > 0 else None), slowest
+
+
+def _attempts_wall(data: RunData, attempts: list[dict[str, Any]]) -> float | None:
+    """Summed over attempts; one still running (or left running by a killed controller) counts until now."""
+    return sum(data.end_of(a["finished"]) - a["started"] for a in attempts) if attempts else None
+
+
+def _last(values: list[float]) -> float | None:
+    return values[-1] if values else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _key_figures(data: RunData, stages: list[StageSummary]) -> KeyFigures:
+    rungs = [r for s in stages for r in s.rungs]
+    steps = [r.steps for r in rungs if r.steps is not None]
+    loss, loss_from = _latest(data, "loss", lambda r: r.final_loss, rungs)
+    tokens, tokens_from = _latest(data, "tokens_per_s", lambda r: r.tokens_per_s, rungs)
+    skewed = [r for r in rungs if r.rank_skew is not None]
+    worst = max(skewed, key=lambda r: r.rank_skew or 0.0) if skewed else None
+    peaks = [r.peak_mem_gib for r in rungs if r.peak_mem_gib is not None]
+    with_attempts = {(a["stage"], a["rung"]) for a in data.attempts}
+    return KeyFigures(
+        steps=sum(steps) if steps else None, final_loss=loss, final_loss_from=loss_from,
+        tokens_per_s=tokens, tokens_per_s_from=tokens_from,
+        rank_skew=worst.rank_skew if worst else None, slowest_rank=worst.slowest_rank if worst else None,
+        rank_skew_from=f"{worst.stage}/{worst.rung}" if worst else None, peak_mem_gib=max(peaks, default=None),
+        attempts=len(data.attempts), restarts=len(data.attempts) - len(with_attempts), wall_s=_run_wall(data))
+
+
+def _latest(data: RunData, name: str, pick: Any, rungs: list[RungFigures]) -> tuple[float | None, str | None]:
+    """The figure of the rung that recorded `name` last: the run's most recent configuration."""
+    owner = data.segment_of
+    rows = [m for m in data.metrics.get(name, []) if m["attempt_id"] in owner]
+    if not rows:
+        return None, None
+    stage, rung = owner[max(rows, key=lambda m: m["ts"])["attempt_id"]]
+    figures = next(r for r in rungs if (r.stage, r.rung) == (stage, rung))
+    return pick(figures), f"{stage}/{rung}"
+
+
+def _run_wall(data: RunData) -> float | None:
+    return data.last_seen - data.run["created"]
