@@ -1,12 +1,65 @@
-"""`stepdeploy render` (being built)."""
+"""`stepdeploy render`: inventory + model + layout (chosen by the planner unless given) -> a run directory.
+
+Exit codes: 0 rendered (or would be, with --dry-run), 1 no layout fits, 2 bad input.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import typer
 
-from stepdeploy.errors import NotImplementedYet
+from stepdeploy.cli.output import emit_json, err, info, out
+from stepdeploy.render import RenderOptions, parse_env
+from stepdeploy.render.build import build, write_run
+from stepdeploy.render.options import REMOTE_RUNS, SEED_OPTIONS, STAGE_ITERATIONS
 
 
-def render(args: list[str] | None = typer.Argument(None)) -> None:
-    """[not built yet: exits 5]"""
-    raise NotImplementedYet("`stepdeploy render` is not built yet in this version")
+def render(
+    inventory: str = typer.Option(..., "--inventory", "-i", help="Ansible inventory (INI/YAML)."),
+    model: str = typer.Option(..., "--model", "-m", help="Catalog model, e.g. tiny-dense, proxy-0.7b-moe."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Run directory to create (must not exist)."),
+    layout: str | None = typer.Option(None, "--layout", help="tp=2,pp=1,ep=2,mbs=1,... (default: planner's best)."),
+    stage: str = typer.Option("warmup", "--stage", help=f"One of {', '.join(STAGE_ITERATIONS)}."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Default: MODEL-STAGE-UTC time."),
+    engine: str | None = typer.Option(None, "--engine", help="torch or megatron (default: by GPUs)."),
+    iterations: int | None = typer.Option(None, "--iterations", min=1, help="Default: by stage."),
+    seq: int | None = typer.Option(None, "--seq", min=1, help="Sequence length (default: the model's)."),
+    gbs: int | None = typer.Option(None, "--gbs", min=1, help="Global batch size (default: the model's)."),
+    nproc: int | None = typer.Option(None, "--nproc-per-node", min=1, help="Ranks per node (default: GPUs)."),
+    pg_timeout: int = typer.Option(120, "--pg-timeout", min=1, help="Process-group timeout, seconds."),
+    save_interval: int = typer.Option(0, "--save-interval", min=0, help="Checkpoint every N steps (0: at end)."),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate."),
+    seed_option: list[str] = typer.Option([], "--seed-option", help=f"{', '.join(SEED_OPTIONS)}."),
+    env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE for every rank (quoted when rendered)."),
+    no_nvls: bool = typer.Option(False, "--no-nvls", help="NCCL_NVLS_ENABLE=0 and the other multicast switches."),
+    remote_dir: str = typer.Option(REMOTE_RUNS, "--remote-dir", help="Parent of the run directory on nodes."),
+    python: str = typer.Option("/opt/stepdeploy/venv/bin/python", "--python", help="Python on the nodes."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be written; write nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON to stdout."),
+) -> None:
+    """Render per-node launch scripts, environment, workload config and a manifest into a run directory."""
+    opts = RenderOptions(
+        run_id=run_id or f"{model}-{stage}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
+        stage=stage, engine=engine, iterations=iterations, seq_length=seq, global_batch_size=gbs,
+        nproc_per_node=nproc, pg_timeout_s=pg_timeout, save_interval=save_interval, lr=lr,
+        seed_options=tuple(seed_option), extra_env=parse_env(env), disable_nvls=no_nvls,
+        remote_dir=remote_dir, python=python)
+    rendered = build(inventory, model, layout, opts)
+    for note in rendered.notes:
+        err.print(f"note: {note}", markup=False, soft_wrap=True)
+    if not dry_run:
+        write_run(rendered, out_dir)
+    if as_json:
+        emit_json(json.loads(rendered.file("manifest.json").text))
+        return
+    verb = "would write" if dry_run else "wrote"
+    out.print(f"{verb} {out_dir} (run {rendered.run_id}, {rendered.workload['engine']} engine, "
+              f"layout {json.loads(rendered.file('manifest.json').text)['layout']}, "
+              f"{len(rendered.placements)} node(s), remote {rendered.run_dir})", markup=False)
+    for item in rendered.files:
+        out.print(f"  {item.sha256[:12]}  {item.path}", markup=False)
+    if not dry_run:
+        info(f"next: stepdeploy run launch {out_dir} --follow")

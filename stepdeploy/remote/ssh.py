@@ -6,12 +6,15 @@ made here instead loads the cluster's known_hosts file and rejects unknown or ch
 
 from __future__ import annotations
 
+import getpass
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fabric import Config, Connection, ThreadingGroup
 from paramiko import RejectPolicy
+
+from stepdeploy.inventory.model import Node
 
 
 @dataclass(frozen=True)
@@ -50,3 +53,11 @@ def group(endpoints: Iterable[Endpoint], *, connect_timeout: int = 10) -> Thread
     """A Fabric ThreadingGroup whose members all verify host keys."""
     return ThreadingGroup.from_connections([connection(ep, connect_timeout=connect_timeout)
                                             for ep in endpoints])
+
+
+
+def endpoint_for(node: Node) -> Endpoint:
+    """How to reach an inventory node: its address, SSH user (default: ours), port, key and known_hosts."""
+    ssh = node.ssh
+    return Endpoint(host=node.address, user=ssh.user or getpass.getuser(), port=ssh.port,
+                    key_file=ssh.private_key_file, known_hosts=ssh.known_hosts_file)

@@ -1,0 +1,153 @@
+"""`stepdeploy run launch|status|logs|stop|fetch RUN_DIR`: drive a rendered run on its nodes over SSH.
+
+The run directory's manifest names the nodes and the inventory it was rendered from; the inventory gives
+the SSH settings. The controller keeps no state: every command can be run from a fresh shell, also after
+the controller that launched the run has died.
+
+Exit codes: 0 ok, 1 the run failed / a node could not be stopped cleanly, 2 bad input, 3 nodes unreachable.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from stepdeploy.cli.output import emit_json, err, info, out
+from stepdeploy.errors import EXIT_FAILED, EXIT_UNREACHABLE, BadInput
+from stepdeploy.inventory import load_cluster
+from stepdeploy.remote.executor import UNREACHABLE, LogCursor, NodeResult, RunStatus
+from stepdeploy.remote.fabric_executor import FabricExecutor, targets_from
+from stepdeploy.remote.ssh import Endpoint
+
+app = typer.Typer(help="Launch, follow and stop a rendered run on its nodes (SSH).", no_args_is_help=True)
+RUN = typer.Argument(..., help="Run directory written by `stepdeploy render`.")
+INVENTORY = typer.Option(None, "--inventory", "-i", help="Inventory (default: the one the run was rendered from).")
+JSON = typer.Option(False, "--json", help="Print JSON to stdout.")
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{run_dir}: no manifest.json; give a directory written by `stepdeploy render`",
+                       hint="stepdeploy render -i INVENTORY -m MODEL --out runs/r1") from None
+
+
+def executor_for(run_dir: Path, inventory: str | None) -> FabricExecutor:
+    manifest = read_manifest(run_dir)
+    cluster = load_cluster(inventory or manifest["inputs"]["inventory"]["path"])
+    endpoints = {node.name: Endpoint(host=node.address, user=node.ssh.user or getpass.getuser(),
+                                     port=node.ssh.port, key_file=node.ssh.private_key_file,
+                                     known_hosts=node.ssh.known_hosts_file) for node in cluster.nodes}
+    try:
+        targets = targets_from(manifest, endpoints)
+    except KeyError as exc:
+        raise BadInput(f"{exc.args[0]}; the run was rendered for other nodes") from None
+    return FabricExecutor(manifest["run_id"], manifest["run_dir"], targets)
+
+
+def _report(results: list[NodeResult], verb: str) -> None:
+    for result in results:
+        out.print(f"{result.node}: {'ok' if result.ok else 'FAILED'} {result.detail}", markup=False)
+    if not all(r.ok for r in results):
+        unreachable = all("unreachable" in r.detail for r in results if not r.ok)
+        raise typer.Exit(EXIT_UNREACHABLE if unreachable else EXIT_FAILED)
+    info(f"{verb} on {len(results)} node(s)")
+
+
+@app.command("launch", epilog="Example: stepdeploy run launch runs/r1 --follow")
+def launch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
+           follow: bool = typer.Option(False, "--follow", "-f", help="Stream logs until the run ends."),
+           dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would be done; do nothing.")) -> None:
+    """Upload the run directory to every node (atomically) and start it detached."""
+    executor = executor_for(run_dir, inventory)
+    if dry_run:
+        for target in executor.targets:
+            out.print(f"{target.name} ({target.endpoint.host}): upload {run_dir} to {executor.run_dir}, "
+                      f"start setsid nohup bash {target.node_dir}/launch.sh", markup=False)
+        return
+    with executor:
+        _report(executor.prepare(run_dir), "uploaded")
+        _report(executor.start(), "started")
+        if follow:
+            _follow(executor)
+
+
+def _follow(executor: FabricExecutor, interval: float = 1.0) -> RunStatus:
+    cursor = LogCursor()
+
+    def emit(line: str) -> None:
+        out.print(line, markup=False, highlight=False)
+
+    while True:
+        status = executor.poll()
+        executor.follow(emit, cursor)
+        if not status.running:
+            executor.follow(emit, cursor)
+            _print_status(status)
+            return status
+        time.sleep(interval)
+
+
+def _print_status(status: RunStatus) -> None:
+    for node in status.nodes:
+        code = "" if node.exit_code is None else f" (exit {node.exit_code})"
+        out.print(f"{node.node}: {node.state}{code} {node.detail}", markup=False)
+        for rank in node.ranks:
+            out.print(f"  rank {rank.rank}: {rank.state} pid {rank.pid} iteration {rank.iteration} "
+                      f"code {rank.code}", markup=False)
+    if not status.running and not status.finished_ok:
+        for line in status.culprits():
+            err.print(f"cause: {line}", markup=False, soft_wrap=True)
+
+
+@app.command("status", epilog="Example: stepdeploy run status runs/r1 --json")
+def status_cmd(run_dir: Path = RUN, inventory: str | None = INVENTORY, as_json: bool = JSON) -> None:
+    """Per node: running / exited (code) / unreachable; per rank: state, last heartbeat iteration."""
+    with executor_for(run_dir, inventory) as executor:
+        status = executor.poll()
+    if as_json:
+        emit_json({"nodes": [asdict(n) for n in status.nodes], "culprits": status.culprits()})
+    else:
+        _print_status(status)
+    if any(n.state == UNREACHABLE for n in status.nodes):
+        raise typer.Exit(EXIT_UNREACHABLE)
+    if not status.running and not status.finished_ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("logs", epilog="Example: stepdeploy run logs runs/r1 --follow")
+def logs(run_dir: Path = RUN, inventory: str | None = INVENTORY,
+         tail: int = typer.Option(50, "--tail", min=1, help="Lines per node."),
+         follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the run ends.")) -> None:
+    """Every node's log, each line prefixed with its node (the workload adds [rank R])."""
+    with executor_for(run_dir, inventory) as executor:
+        if follow:
+            _follow(executor)
+            return
+        for lines in executor.logs(tail).values():
+            for line in lines:
+                out.print(line, markup=False, highlight=False)
+
+
+@app.command("stop", epilog="Example: stepdeploy run stop runs/r1 --grace 10")
+def stop(run_dir: Path = RUN, inventory: str | None = INVENTORY,
+         grace: float = typer.Option(10.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL.")) -> None:
+    """SIGTERM the run's processes on every node, SIGKILL after the grace, and prove none is left."""
+    with executor_for(run_dir, inventory) as executor:
+        results = executor.stop(grace)
+    _report([NodeResult(r.node, r.ok, r.detail) for r in results], "stopped; nothing of the run is left")
+
+
+@app.command("fetch", epilog="Example: stepdeploy run fetch runs/r1")
+def fetch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
+          dest: Path | None = typer.Option(None, "--dest", help="Default: RUN_DIR/fetched.")) -> None:
+    """Copy metrics, status, heartbeats, logs and exit codes (not checkpoints) back from every node."""
+    with executor_for(run_dir, inventory) as executor:
+        _report(executor.fetch(dest or run_dir / "fetched"), "fetched")

@@ -1,0 +1,119 @@
+"""The executor protocol: what the controller can do to a rendered run on its nodes, and the values it gets
+back. Every call answers per node (a node that cannot be reached is one entry, never an exception that
+hides the others). Implementations: fabric_executor (SSH); Slurm comes later.
+
+The run's state lives on the nodes (pid file, exit code, per-rank status and heartbeat files), never in the
+controller, so a controller that died can be replaced by a new one that polls, streams or stops the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+RUNNING, EXITED, NOT_STARTED, UNREACHABLE = "running", "exited", "not-started", "unreachable"
+EXIT_COLLECTIVE = 3  # train.py: a collective failed (a peer died or timed out)
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    node: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    node: str
+    pid: int | None
+    state: str  # running | exited | died (status says running, process gone: killed outright)
+    code: int | None = None
+    reason: str = ""
+    iteration: int | None = None  # last heartbeat
+    heartbeat_age_s: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node: str
+    state: str  # running | exited | not-started | unreachable
+    exit_code: int | None = None
+    ranks: tuple[RankStatus, ...] = ()
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    nodes: tuple[NodeStatus, ...]
+
+    @property
+    def running(self) -> bool:
+        return any(n.state == RUNNING for n in self.nodes)
+
+    @property
+    def finished_ok(self) -> bool:
+        return all(n.state == EXITED and n.exit_code == 0 for n in self.nodes)
+
+    @property
+    def ranks(self) -> list[RankStatus]:
+        return sorted((r for n in self.nodes for r in n.ranks), key=lambda r: r.rank)
+
+    def culprits(self) -> list[str]:
+        """Which node/rank brought the run down, first causes before consequences."""
+        found = [f"node {n.node}: unreachable ({n.detail})" for n in self.nodes if n.state == UNREACHABLE]
+        found += [f"node {r.node} rank {r.rank}: died without exiting (pid {r.pid} gone; killed or crashed)"
+                  for r in self.ranks if r.state == "died"]
+        found += [f"node {r.node} rank {r.rank}: exited {r.code} ({r.reason.splitlines()[0] if r.reason else ''})"
+                  for r in self.ranks if r.state == EXITED and r.code not in (0, EXIT_COLLECTIVE, 143)]
+        if not found:  # only victims: report them
+            found = [f"node {r.node} rank {r.rank}: exited {r.code} ({r.reason.splitlines()[0] if r.reason else ''})"
+                     for r in self.ranks if r.state == EXITED and r.code not in (0, None)]
+        return found
+
+
+@dataclass(frozen=True)
+class StopResult:
+    node: str
+    ok: bool  # no process of the run is left on the node
+    signalled: tuple[int, ...] = ()
+    killed: tuple[int, ...] = ()
+    left: tuple[int, ...] = ()
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    node: str
+    ok: bool
+    exit_code: int | None
+    stdout: str = ""
+    stderr: str = ""
+
+
+@dataclass
+class LogCursor:
+    """Where streaming left off in each node's log."""
+
+    offsets: dict[str, int] = field(default_factory=dict)
+    partial: dict[str, str] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    def prepare(self, local_run: Path) -> list[NodeResult]: ...
+
+    def start(self) -> list[NodeResult]: ...
+
+    def poll(self) -> RunStatus: ...
+
+    def logs(self, tail: int = 50) -> dict[str, list[str]]: ...
+
+    def follow(self, emit: Callable[[str], None], cursor: LogCursor) -> list[NodeResult]: ...
+
+    def stop(self, grace_s: float = 10.0) -> list[StopResult]: ...
+
+    def fetch(self, dest: Path) -> list[NodeResult]: ...
+
+    def run_command(self, command: str) -> list[CommandResult]: ...

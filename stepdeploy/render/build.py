@@ -1,0 +1,107 @@
+"""Choosing a layout and writing a rendered run directory: the steps between the planner and the files.
+
+`choose_layout` and `build` read the inventory and the catalog and return values; `write_run` is the one
+function here that writes (all or nothing). The CLI (`stepdeploy render`) and the rollout both use them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from stepdeploy import __version__
+from stepdeploy.catalog import ModelSpec, load_hardware, load_model
+from stepdeploy.errors import BadInput, StepdeployError
+from stepdeploy.inventory import load_cluster
+from stepdeploy.inventory.model import Cluster
+from stepdeploy.plan.cluster import shape_from_cluster
+from stepdeploy.plan.layout import Job, Layout, parse_layout
+from stepdeploy.plan.params import count_parameters
+from stepdeploy.plan.search import judge, search
+from stepdeploy.render.options import RenderOptions
+from stepdeploy.render.run import RenderedRun, load_workload_sources, render_run
+
+
+def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, seq: int,
+                  gbs: int) -> tuple[Layout, dict[str, Any]]:
+    """The layout to render and what the planner said about it. CPU nodes: pure data parallel."""
+    gpus = cluster.nodes[0].gpus_per_node or 0
+    given = parse_layout(layout_text) if layout_text else None
+    if not gpus:
+        return given or Layout(), {"planner": "CPU nodes: data parallel only, no GPU memory to plan"}
+    shape, hardware = shape_from_cluster(cluster), load_hardware()
+    params = count_parameters(spec)
+    job = Job(spec, seq, gbs, shape.world)
+    if given is not None:
+        verdict = judge(params, job, replace(given, grouped_gemm=False), shape, hardware)  # no TE: SequentialMLP
+        if verdict.violations:
+            reasons = "; ".join(f"[{v.rule}] {v.reason}" for v in verdict.violations)
+            raise BadInput(f"layout {given.short()} cannot run: {reasons}",
+                           hint=f"stepdeploy plan -m {spec.name} -i INVENTORY")
+    else:
+        result = search(spec, shape, hardware, seq, gbs)
+        # The megatron engine runs stock megatron-core without TransformerEngine (no CP, SequentialMLP
+        # experts) and one model chunk per stage (no VPP yet).
+        runnable = [judge(params, job, replace(v.layout, grouped_gemm=False), shape, hardware)
+                    for v in result.fitting if v.layout.cp == 1 and v.layout.vpp == 1]
+        runnable = sorted((v for v in runnable if v.fits), key=lambda v: -v.time.tokens_per_second)
+        if not runnable:
+            raise StepdeployError(f"no layout of {spec.name} that the megatron engine runs fits on "
+                                  f"{shape.describe()}", hint=f"stepdeploy plan -m {spec.name} -i INVENTORY")
+        verdict = runnable[0]
+    summary: dict[str, Any] = {"planner": "chosen" if given is None else "given", "fits": verdict.fits}
+    if verdict.memory and verdict.time:
+        summary |= {"worst_stage_gib": round(verdict.memory.worst.total / 2**30, 2),
+                    "predicted_step_s": round(verdict.time.seconds, 4),
+                    "predicted_mfu": round(verdict.time.mfu, 4)}
+    return verdict.layout, summary
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_run(rendered: RenderedRun, out_dir: Path) -> None:
+    """Write every file, all or nothing: into a temporary sibling, then renamed to `out_dir`."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise BadInput(f"{out_dir} exists and is not empty; give a new --out (a run directory is never "
+                       "rewritten in place)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for item in rendered.files:
+            path = tmp / item.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(item.text)
+            path.chmod(0o755 if item.executable else 0o644)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def build(inventory: str, model: str, layout: str | None, opts: RenderOptions) -> RenderedRun:
+    """Everything up to the text of the files (reads the inventory and catalog; writes nothing)."""
+    cluster, spec = load_cluster(inventory), load_model(model)
+    seq = opts.seq_length or spec.training.seq_length
+    gbs = opts.global_batch_size or spec.training.global_batch_size
+    chosen, summary = choose_layout(cluster, spec, layout, seq, gbs)
+    gpu_model = cluster.nodes[0].gpu_model
+    peak = None
+    if cluster.nodes[0].gpus_per_node and gpu_model:
+        hardware = load_hardware()
+        peak = hardware.peak_tflops(shape_from_cluster(cluster).gpu)
+    inputs = {"inventory": {"path": str(Path(inventory).resolve()), "sha256": sha256_file(Path(inventory))},
+              "model": {"name": spec.name, "sha256": hashlib.sha256(spec.model_dump_json().encode()).hexdigest()},
+              "layout": {"given": layout, **summary}}
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return render_run(cluster, spec, chosen, opts, inputs=inputs, created=created, version=__version__,
+                      workload_sources=load_workload_sources(), peak_tflops=peak)

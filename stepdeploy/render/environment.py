@@ -1,0 +1,134 @@
+"""The environment of one node's ranks: NCCL/gloo from the node's facts, torch's error handling, allocator
+settings, the seed's options (with what they really do), and the user's extra variables. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stepdeploy.inventory.model import Node
+from stepdeploy.plan.layout import Layout
+from stepdeploy.render.options import SEED_OPTIONS, RenderOptions
+
+IB_TIMEOUT = 20  # 4.096 us x 2^20 = 4.3 s per retry; with 7 retries ~34 s before a queue pair errors
+IB_RETRY_CNT = 7
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    key: str
+    value: str
+    why: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What preflight discovered on a node and the renderer can use (None: not discovered)."""
+
+    gid_index: int | None = None
+
+
+def node_environment(node: Node, node_rank: int, layout: Layout, opts: RenderOptions,
+                     facts: NodeFacts | None = None) -> tuple[list[EnvVar], list[str]]:
+    """(variables in render order, notes for the user) for `node`."""
+    facts = facts or NodeFacts()
+    notes: list[str] = []
+    env = _identity(node, node_rank, opts)
+    env += _network(node, facts, notes)
+    env += _torch(node, layout, opts)
+    env += _seed(opts, notes)
+    env += [EnvVar(key, value, ("given with --env",)) for key, value in opts.extra_env]
+    return _last_wins(env), notes
+
+
+def _identity(node: Node, node_rank: int, opts: RenderOptions) -> list[EnvVar]:
+    why = ("the run's identity; stop and poll find this run's processes by STEPDEPLOY_RUN_ID",)
+    return [
+        EnvVar("STEPDEPLOY_RUN_ID", opts.run_id, why),
+        EnvVar("STEPDEPLOY_RUN_DIR", opts.run_dir),
+        EnvVar("STEPDEPLOY_NODE_NAME", node.name),
+        EnvVar("STEPDEPLOY_NODE_RANK", str(node_rank)),
+        EnvVar("PYTHONUNBUFFERED", "1", ("log lines reach the log file as they are printed",)),
+    ]
+
+
+def _network(node: Node, facts: NodeFacts, notes: list[str]) -> list[EnvVar]:
+    env: list[EnvVar] = []
+    iface = node.train_iface
+    if iface:
+        why = (f"training interface of {node.name} (inventory stepdeploy_train_iface)",)
+        env += [EnvVar("NCCL_SOCKET_IFNAME", iface, why), EnvVar("GLOO_SOCKET_IFNAME", iface),
+                EnvVar("UCX_NET_DEVICES", iface), EnvVar("OMPI_MCA_btl_tcp_if_include", iface)]
+    else:
+        notes.append(f"{node.name}: no stepdeploy_train_iface; NCCL and gloo pick an interface themselves")
+    if node.fabric in ("infiniband", "roce"):
+        env += _rdma(node, facts, notes)
+    elif node.fabric == "ethernet" or node.fabric is None:
+        env.append(EnvVar("NCCL_IB_DISABLE", "1", ("no RDMA fabric declared: NCCL uses sockets",)))
+    return env
+
+
+def _rdma(node: Node, facts: NodeFacts, notes: list[str]) -> list[EnvVar]:
+    env: list[EnvVar] = []
+    if node.ib_hcas:
+        # '=' makes NCCL match names exactly (mlx5_1 would otherwise also select mlx5_10 ...).
+        env.append(EnvVar("NCCL_IB_HCA", "=" + ",".join(node.ib_hcas),
+                          ("RDMA devices of the inventory, exact match; on a DGX Spark both halves of the port",)))
+    else:
+        notes.append(f"{node.name}: fabric {node.fabric} but no stepdeploy_ib_hcas; NCCL uses every HCA it finds")
+    env += [
+        EnvVar("NCCL_IB_TIMEOUT", str(IB_TIMEOUT), ("4.096 us x 2^20 = 4.3 s per retry",)),
+        EnvVar("NCCL_IB_RETRY_CNT", str(IB_RETRY_CNT),
+               ("retries before a queue pair errors (~34 s in all at NCCL_IB_TIMEOUT 20)",)),
+    ]
+    if node.fabric == "roce":
+        if facts.gid_index is not None:
+            env.append(EnvVar("NCCL_IB_GID_INDEX", str(facts.gid_index), ("RoCEv2 GID index found by preflight",)))
+        else:
+            notes.append(f"{node.name}: RoCE GID index not discovered (run preflight); NCCL_IB_GID_INDEX left "
+                         "to NCCL's own choice rather than hard-coding 3")
+    return env
+
+
+def _torch(node: Node, layout: Layout, opts: RenderOptions) -> list[EnvVar]:
+    env = [EnvVar("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3",
+                  ("a failed or timed-out collective tears the process down instead of hanging",)),
+           EnvVar("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(opts.heartbeat_timeout_s),
+                  ("torch's NCCL watchdog: kill a rank whose collectives made no progress for this long",))]
+    gpus = node.gpus_per_node or 0
+    if gpus:
+        env.append(EnvVar("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True",
+                          ("fewer fragmentation OOMs with changing shapes (MoE routing)",)))
+        if layout.tp > 1 or layout.cp > 1:
+            env.append(EnvVar("CUDA_DEVICE_MAX_CONNECTIONS", "1",
+                              ("one hardware queue keeps TP/sequence-parallel comm ordered ahead of compute",)))
+    else:
+        threads = opts.threads_per_rank or 1
+        env.append(EnvVar("OMP_NUM_THREADS", str(threads), ("CPU node: threads per rank",)))
+    if opts.disable_nvls:
+        why = ("NVLink multicast off (inventory/--no-nvls): a program using it can take shared GPUs down",)
+        env += [EnvVar("NCCL_NVLS_ENABLE", "0", why), EnvVar("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                EnvVar("NVSHMEM_DISABLE_NVLS", "1")]
+    return env
+
+
+def _seed(opts: RenderOptions, notes: list[str]) -> list[EnvVar]:
+    env: list[EnvVar] = []
+    for name in opts.seed_options:
+        renders, truth = SEED_OPTIONS[name]
+        notes.append(f"seed option {name} ({renders}): {truth}")
+        why = (f"seed option {name}: {truth}",)
+        if name == "nccl-algo-tree":
+            env.append(EnvVar("NCCL_ALGO", "Tree", why))
+        elif name == "cuda-malloc-async":
+            env.append(EnvVar("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync", why))
+        elif name == "ib-timeout-22":
+            env.append(EnvVar("NCCL_IB_TIMEOUT", "22", why))
+    return env
+
+
+def _last_wins(env: list[EnvVar]) -> list[EnvVar]:
+    """A later variable of the same name replaces an earlier one, at the earlier one's place."""
+    order: dict[str, EnvVar] = {}
+    for var in env:
+        order[var.key] = var
+    return list(order.values())

@@ -1,0 +1,145 @@
+"""Render a run directory: per-node launch script and environment, the workload's configuration and code,
+and a manifest of what was rendered from what (with hashes). Values in, text out; nothing is written here.
+
+Layout of a run directory (the same locally and on every node):
+    manifest.json            inputs, every file with its sha256 and the template it came from, notes
+    workload.json            the workload's configuration (model, layout, schedule, timeouts)
+    workload/*.py            the workload program (shipped as files; standard library + torch only)
+    nodes/<rank>-<name>/launch.sh, env.sh   one directory per node, started on that node only
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from stepdeploy.catalog import ModelSpec
+from stepdeploy.errors import BadInput
+from stepdeploy.inventory.model import Cluster, Node
+from stepdeploy.plan.layout import Layout
+from stepdeploy.render import templating
+from stepdeploy.render.environment import NodeFacts, node_environment
+from stepdeploy.render.options import RenderOptions
+from stepdeploy.render.workload import check_engine, choose_engine, workload_config
+
+WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "ckpt.py", "metrics.py")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    path: str  # relative to the run directory
+    text: str
+    template: str | None = None  # None: copied (workload code), or generated (manifest)
+    executable: bool = False
+    node: str | None = None
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one node's part of the run lives."""
+
+    node: Node
+    node_rank: int
+    node_dir: str  # relative to the run directory
+
+    @property
+    def launch_script(self) -> str:
+        return f"{self.node_dir}/launch.sh"
+
+
+@dataclass(frozen=True)
+class RenderedRun:
+    run_id: str
+    run_dir: str  # absolute path on every node
+    files: tuple[RenderedFile, ...]
+    placements: tuple[Placement, ...]
+    notes: tuple[str, ...]
+    workload: dict[str, Any]
+
+    def file(self, path: str) -> RenderedFile:
+        return next(f for f in self.files if f.path == path)
+
+
+def node_dir(rank: int, name: str) -> str:
+    """`nodes/0-node1`: the rank keeps it unique and ordered; the name is only ever a readable hint."""
+    return f"nodes/{rank}-{_UNSAFE.sub('_', name)[:40]}"
+
+
+def load_workload_sources() -> dict[str, str]:
+    package = resources.files("stepdeploy.workload")
+    return {name: package.joinpath(name).read_text() for name in WORKLOAD_MODULES}
+
+
+def _nproc(cluster: Cluster, opts: RenderOptions) -> int:
+    if opts.nproc_per_node:
+        return opts.nproc_per_node
+    counts = {node.gpus_per_node or 0 for node in cluster.nodes}
+    if len(counts) != 1:
+        raise BadInput(f"nodes declare different GPU counts ({sorted(counts)}); torchrun starts the same number "
+                       "of ranks on every node", hint="fix stepdeploy_gpus_per_node or pass --nproc-per-node")
+    return counts.pop() or 1
+
+
+def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOptions, *,
+               inputs: dict[str, Any], created: str, version: str, workload_sources: dict[str, str],
+               facts: dict[str, NodeFacts] | None = None, peak_tflops: float | None = None) -> RenderedRun:
+    """Every file of the run directory, as text. `inputs` and `created` go into the manifest verbatim."""
+    nproc = _nproc(cluster, opts)
+    gpus = cluster.nodes[0].gpus_per_node or 0
+    engine = choose_engine(opts, gpus)
+    check_engine(engine, layout, spec, gpus)
+    world = nproc * len(cluster.nodes)
+    workload = workload_config(spec, layout, opts, engine=engine, world=world, peak_tflops=peak_tflops)
+    placements = tuple(Placement(node, rank, node_dir(rank, node.name)) for rank, node in enumerate(cluster.nodes))
+    files = [RenderedFile("workload.json", templating.render("workload.json.j2", workload=workload),
+                          "workload.json.j2")]
+    files += [RenderedFile(f"workload/{name}", text) for name, text in sorted(workload_sources.items())]
+    notes: list[str] = []
+    common = {"version": version, "run_id": opts.run_id, "run_dir": opts.run_dir, "nnodes": len(cluster.nodes),
+              "nproc_per_node": nproc, "python": opts.python, "rendezvous": opts.rendezvous,
+              "master_addr": cluster.nodes[0].address, "master_port": opts.master_port,
+              "max_restarts": opts.max_restarts}
+    for place in placements:
+        env, node_notes = node_environment(place.node, place.node_rank, layout, opts,
+                                           (facts or {}).get(place.node.name))
+        notes += [n for n in node_notes if n not in notes]
+        values = {**common, "node": place.node, "node_rank": place.node_rank, "node_dir": place.node_dir,
+                  "environment": env}
+        files.append(RenderedFile(f"{place.node_dir}/env.sh", templating.render("env.sh.j2", **values),
+                                  "env.sh.j2", node=place.node.name))
+        files.append(RenderedFile(place.launch_script, templating.render("launch.sh.j2", **values),
+                                  "launch.sh.j2", executable=True, node=place.node.name))
+    manifest = _manifest(opts, inputs, created, version, files, placements, notes, layout, engine)
+    files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest),
+                              "manifest.json.j2"))
+    return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload)
+
+
+def _manifest(opts: RenderOptions, inputs: dict[str, Any], created: str, version: str,
+              files: list[RenderedFile], placements: tuple[Placement, ...], notes: list[str], layout: Layout,
+              engine: str) -> dict[str, Any]:
+    return {
+        "format": 1,
+        "run_id": opts.run_id,
+        "created": created,
+        "stepdeploy": version,
+        "engine": engine,
+        "layout": layout.short(),
+        "stage": opts.stage,
+        "run_dir": opts.run_dir,
+        "inputs": inputs,
+        "nodes": [{"name": p.node.name, "address": p.node.address, "node_rank": p.node_rank, "dir": p.node_dir}
+                  for p in placements],
+        "files": [{"path": f.path, "sha256": f.sha256, "from": f"templates/{f.template}" if f.template
+                   else "stepdeploy/workload", "template_sha256": templating.template_sha256(f.template)
+                   if f.template else None, "node": f.node} for f in files],
+        "notes": notes,
+    }

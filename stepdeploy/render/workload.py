@@ -1,0 +1,97 @@
+"""The workload's configuration (workload.json) from the model, the chosen layout and the options. Pure.
+
+The workload reads only this file: model shape (megatron-core field names), parallel layout, training
+schedule, process-group timeout, and the planner's FLOPs per token so it reports MFU by the same count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepdeploy.catalog import ModelSpec
+from stepdeploy.errors import BadInput
+from stepdeploy.plan.flops import model_flops_per_token
+from stepdeploy.plan.layout import Layout
+from stepdeploy.plan.params import count_parameters
+from stepdeploy.render.options import RenderOptions
+
+MODEL_FIELDS_DROPPED = ("description", "sources", "training")
+
+
+def choose_engine(opts: RenderOptions, gpus_per_node: int) -> str:
+    return opts.engine or ("megatron" if gpus_per_node else "torch")
+
+
+def check_engine(engine: str, layout: Layout, spec: ModelSpec, gpus_per_node: int) -> None:
+    """Refuse what an engine cannot run, saying what would."""
+    if engine == "torch":
+        split = {k: getattr(layout, k) for k in ("tp", "pp", "cp", "ep", "etp") if getattr(layout, k) > 1}
+        if split:
+            given = ",".join(f"{k}={v}" for k, v in split.items())
+            raise BadInput(f"the torch engine trains data-parallel only (DDP); layout {given} needs the megatron "
+                           "engine on GPU nodes", hint="drop --layout (pure DP) or pass --engine megatron")
+    elif gpus_per_node == 0:
+        raise BadInput("the megatron engine needs GPUs; the inventory's nodes have none",
+                       hint="use --engine torch on CPU nodes")
+    elif layout.vpp > 1:
+        raise BadInput("the megatron engine runs one model chunk per pipeline stage (vpp=1) in this version",
+                       hint="choose a layout with vpp=1")
+    elif layout.cp > 1:
+        raise BadInput("context parallelism needs TransformerEngine's attention; stock megatron-core's "
+                       "local attention (and torch SDPA) run only cp=1", hint="choose a layout with cp=1")
+    if spec.attention_gate != "none" or spec.sliding_window is not None:
+        raise BadInput(f"{spec.name}: per-head attention gates and sliding windows are not in stock "
+                       "megatron-core or the torch engine; use a proxy model (e.g. proxy-0.7b-moe)")
+
+
+def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, engine: str, world: int,
+                    peak_tflops: float | None) -> dict[str, Any]:
+    seq = opts.seq_length or spec.training.seq_length
+    if seq > spec.max_position_embeddings:
+        raise BadInput(f"sequence length {seq} exceeds {spec.name}'s max_position_embeddings "
+                       f"{spec.max_position_embeddings}")
+    gbs = opts.global_batch_size or spec.training.global_batch_size
+    dp = world // (layout.tp * layout.pp * layout.cp)
+    if dp < 1 or world % (layout.tp * layout.pp * layout.cp):
+        raise BadInput(f"layout {layout.short()} does not divide {world} ranks")
+    if gbs % (layout.mbs * dp):
+        raise BadInput(f"global batch {gbs} is not a multiple of micro-batch {layout.mbs} x DP {dp}")
+    flops = model_flops_per_token(count_parameters(spec), spec, seq).total
+    model = {k: v for k, v in spec.model_dump().items() if k not in MODEL_FIELDS_DROPPED}
+    return {
+        "format": 1,
+        "engine": engine,
+        "run_id": opts.run_id,
+        "stage": opts.stage,
+        "model": model,
+        "parallel": _parallel(layout),
+        "training": {
+            "seq_length": seq,
+            "micro_batch_size": layout.mbs,
+            "global_batch_size": gbs,
+            "iterations": opts.effective_iterations,
+            "lr": opts.lr,
+            "warmup_iterations": max(1, opts.effective_iterations // 10),
+            "seed": opts.seed,
+            "save_interval": opts.save_interval,
+        },
+        "world_size": world,
+        "pg_timeout_s": opts.effective_pg_timeout_s,
+        "flops_per_token": flops,
+        "peak_tflops": peak_tflops,
+    }
+
+
+def _parallel(layout: Layout) -> dict[str, Any]:
+    return {
+        "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "ep": layout.ep, "etp": layout.etp,
+        "sequence_parallel": layout.sp,
+        "recompute": layout.recompute,
+        "distributed_optimizer": layout.distributed_optimizer,
+        "overlap_grad_reduce": layout.overlap_grad_reduce,
+        "overlap_param_gather": layout.param_gather_overlap,
+        "dispatcher": layout.dispatcher,
+        "grouped_gemm": layout.grouped_gemm,
+        "first_stage_layers": layout.first_stage_layers,
+        "last_stage_layers": layout.last_stage_layers,
+    }

@@ -1,0 +1,318 @@
+"""The `megatron` engine (GPU): megatron-core's GPTModel built from the catalog model with the plan's
+TP/PP/EP/ETP/DP, trained with megatron's DDP + distributed optimizer on mock (synthetic Markov-chain) tokens,
+saved with dist-checkpointing. Standard library + torch + megatron-core only (shipped as a file).
+
+Without TransformerEngine, stock megatron-core's local layer spec uses an unfused attention (half the speed,
+2.3x the memory of SDPA: FACTS); this engine puts torch SDPA in its place (flash or cuDNN kernels, causal,
+GQA). Context parallelism needs TE's attention and is refused at render time; experts are SequentialMLP
+(grouped GEMM needs TE). Checkpoints need a directory that all ranks share (one node, or a shared FS).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import ckpt
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from metrics import RankFiles, log
+
+POOL = 16  # distinct synthetic micro-batches, cycled
+
+
+def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """megatron-core TransformerConfig arguments from workload.json (pure: testable without megatron)."""
+    m, p = cfg["model"], cfg["parallel"]
+    kwargs: dict[str, Any] = {
+        "num_layers": m["num_layers"], "hidden_size": m["hidden_size"],
+        "num_attention_heads": m["num_attention_heads"], "num_query_groups": m["num_query_groups"],
+        "kv_channels": m["kv_channels"], "ffn_hidden_size": m["ffn_hidden_size"],
+        "normalization": m["normalization"], "gated_linear_unit": m["gated_linear_unit"],
+        "activation_func": F.silu if m["gated_linear_unit"] else F.gelu,
+        "add_bias_linear": m["add_bias_linear"], "add_qkv_bias": m["add_qkv_bias"],
+        "qk_layernorm": m["qk_layernorm"],
+        "tensor_model_parallel_size": p["tp"], "pipeline_model_parallel_size": p["pp"],
+        "context_parallel_size": p["cp"], "expert_model_parallel_size": p["ep"],
+        "expert_tensor_parallel_size": p["etp"], "sequence_parallel": p["sequence_parallel"] and p["tp"] > 1,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "bf16": True, "params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16,
+        # Fusions that need apex or TransformerEngine are off; torch SDPA replaces the unfused attention.
+        "gradient_accumulation_fusion": False, "bias_activation_fusion": False, "masked_softmax_fusion": False,
+        "persist_layer_norm": False, "apply_rope_fusion": False,
+    }
+    if p["first_stage_layers"] is not None:
+        kwargs["num_layers_in_first_pipeline_stage"] = p["first_stage_layers"]
+    if p["last_stage_layers"] is not None:
+        kwargs["num_layers_in_last_pipeline_stage"] = p["last_stage_layers"]
+    if p["recompute"] == "full":
+        kwargs |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    elif p["recompute"] == "selective":
+        kwargs["recompute_granularity"] = "selective"
+    moe = m["moe"]
+    if moe:
+        dense = moe["first_dense_layers"]
+        kwargs |= {
+            "num_moe_experts": moe["num_experts"], "moe_router_topk": moe["topk"],
+            "moe_ffn_hidden_size": moe["ffn_hidden_size"],
+            "moe_shared_expert_intermediate_size": moe["shared_expert_ffn_hidden_size"] or None,
+            "moe_layer_freq": [0] * dense + [1] * (m["num_layers"] - dense),
+            "moe_router_score_function": moe["score_function"],
+            "moe_router_enable_expert_bias": moe["router_expert_bias"],
+            "moe_token_dispatcher_type": p["dispatcher"] if p["dispatcher"] != "flex" else "alltoall",
+            "moe_grouped_gemm": False, "moe_aux_loss_coeff": 1e-2,
+            "moe_router_load_balancing_type": "aux_loss",
+        }
+        if moe["router_scaling_factor"]:
+            kwargs["moe_router_topk_scaling_factor"] = moe["router_scaling_factor"]
+    return kwargs
+
+
+def parallel_sizes(cfg: dict[str, Any]) -> dict[str, int]:
+    p = cfg["parallel"]
+    return {"tensor_model_parallel_size": p["tp"], "pipeline_model_parallel_size": p["pp"],
+            "context_parallel_size": p["cp"], "expert_model_parallel_size": p["ep"],
+            "expert_tensor_parallel_size": p["etp"]}
+
+
+def sdpa_core_attention() -> type:
+    """A core-attention module with DotProductAttention's interface that calls torch SDPA."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class SdpaAttention(MegatronModule):
+        def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str = "self",
+                     attention_dropout: float | None = None, softmax_scale: float | None = None,
+                     **_ignored: Any) -> None:
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale
+            self.layer_number = layer_number
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
+                    **_extra: Any) -> torch.Tensor:
+            seq, batch = query.shape[0], query.shape[1]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    return SdpaAttention
+
+
+def layer_specs(config: Any, normalization: str) -> Any:
+    """megatron-core's local (no-TE) decoder block spec with SDPA as every layer's core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
+    attention = sdpa_core_attention()
+    for spec in block.layer_specs:
+        spec.submodules.self_attention.submodules.core_attention = attention
+    return block
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16.1 leaves moe_utils.te_general_gemm undefined without TransformerEngine (0.19 sets None)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def build_model(cfg: dict[str, Any], config: Any, pre_process: bool = True, post_process: bool = True) -> Any:
+    from megatron.core.models.gpt import GPTModel
+
+    _define_missing_te_names()
+    m = cfg["model"]
+    return GPTModel(config=config, transformer_layer_spec=layer_specs(config, m["normalization"]),
+                    vocab_size=m["vocab_size"], max_sequence_length=m["max_position_embeddings"],
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
+                    position_embedding_type=m["position_embedding_type"])
+
+
+def token_pool(vocab: int, seed: int, seq: int, mbs: int, dp_rank: int) -> list[torch.Tensor]:
+    """POOL micro-batches of [mbs, seq + 1] Markov-chain tokens (each token has 4 likely successors)."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, vocab, (vocab, 4), generator=gen)
+    gen.manual_seed(seed * 7919 + dp_rank)
+    rows = POOL * mbs
+    tokens = torch.empty(rows, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (rows,), generator=gen)
+    choice = torch.randint(0, 4, (rows, seq), generator=gen)
+    for pos in range(seq):
+        tokens[:, pos + 1] = table[tokens[:, pos], choice[:, pos]]
+    return list(tokens.view(POOL, mbs, seq + 1))
+
+
+def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = cfg["training"]
+    seq, mbs, gbs = t["seq_length"], t["micro_batch_size"], t["global_batch_size"]
+    ps.initialize_model_parallel(**parallel_sizes(cfg))
+    model_parallel_cuda_manual_seed(t["seed"])
+    dp = ps.get_data_parallel_world_size()
+    micro_batches = gbs // (mbs * dp)
+    config = TransformerConfig(**transformer_config_kwargs(cfg))
+    model = build_model(cfg, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()).cuda()
+    model = Float16Module(config, model)
+    p = cfg["parallel"]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=p["overlap_grad_reduce"],
+                                               use_distributed_optimizer=p["distributed_optimizer"])
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    if p["overlap_grad_reduce"]:
+        config.grad_sync_func = model.start_grad_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=t["lr"], weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, bf16=True,
+                        use_distributed_optimizer=p["distributed_optimizer"], clip_grad=1.0), [model])
+    params = sum(q.numel() for q in model.parameters())
+    log(rank, f"megatron engine: {params:,} parameters on this rank, world {world}, DP {dp}, "
+              f"{micro_batches} micro-batch(es) of {mbs}x{seq}, layout {p}")
+    pool = [b.cuda() for b in token_pool(cfg["model"]["vocab_size"], t["seed"], seq, mbs, ps.get_data_parallel_rank())]
+    positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(mbs, -1)
+    step_of = {"iteration": 0}
+
+    def batches():
+        count = 0
+        while True:
+            tokens = pool[(step_of["iteration"] * micro_batches + count) % POOL]
+            count += 1
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
+        tokens, labels = next(data_iterator)
+        output = model_chunk(tokens, positions, None, labels=labels)
+
+        def loss_func(output_tensor: torch.Tensor) -> Any:
+            loss = output_tensor.float().mean()
+            # clone: the schedule divides the returned loss by the micro-batch count in place
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+    ckpt_dir = out_dir / "checkpoints"
+    data = batches()
+    start = resume(model, optimizer, ckpt_dir, rank)
+    torch.cuda.reset_peak_memory_stats()
+    for iteration in range(start + 1, t["iterations"] + 1):
+        step_of["iteration"] = iteration
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        lr = lr_at(iteration, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                  num_microbatches=micro_batches, seq_length=seq, micro_batch_size=mbs,
+                                  decoder_seq_length=seq, forward_only=False)
+        _ok, grad_norm, _zeros = optimizer.step()
+        torch.cuda.synchronize()
+        step = time.perf_counter() - began
+        loss = (sum(x["lm loss"] for x in losses) / len(losses)).float() if losses else torch.zeros((), device="cuda")
+        report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage())
+        if t["save_interval"] and iteration % t["save_interval"] == 0:
+            save(model, optimizer, ckpt_dir, iteration, rank)
+    ps.destroy_model_parallel()
+    return 0
+
+
+def lr_at(iteration: int, t: dict[str, Any]) -> float:
+    warmup = t["warmup_iterations"]
+    return t["lr"] * min(1.0, iteration / warmup)
+
+
+def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Tensor, grad_norm: float | None,
+           lr: float, step: float, world: int, last_stage: bool) -> None:
+    t = cfg["training"]
+    stats = torch.tensor([loss.item() if last_stage else 0.0, 1.0 if last_stage else 0.0], device="cuda")
+    dist.all_reduce(stats)
+    times = torch.zeros(world, device="cuda")
+    times[dist.get_rank()] = step
+    dist.all_reduce(times)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    files.beat(iteration)
+    if files.rank != 0:
+        return
+    slowest = float(times.max())
+    tokens_per_s = t["global_batch_size"] * t["seq_length"] / slowest
+    mfu = None
+    if cfg.get("peak_tflops"):
+        mfu = round(cfg["flops_per_token"] * tokens_per_s / (cfg["peak_tflops"] * 1e12 * world), 4)
+    values = {"iteration": iteration, "loss": round(float(stats[0] / stats[1]), 5),
+              "grad_norm": None if grad_norm is None else round(float(grad_norm), 5), "lr": lr,
+              "step_time_s": round(slowest, 4), "tokens_per_s": round(tokens_per_s, 1),
+              "rank_step_time_s": [round(float(x), 4) for x in times],
+              "mem_allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
+              "mem_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
+              "mem_peak_gib": round(float(peak), 2), "mfu": mfu, "time": time.time()}
+    files.record(values)
+    log(0, f"iter {iteration}/{t['iterations']} loss {values['loss']:.4f} step {slowest:.3f}s "
+           f"{tokens_per_s:,.0f} tok/s MFU {mfu} peak {values['mem_peak_gib']} GiB")
+
+
+def save(model: Any, optimizer: Any, ckpt_dir: Path, iteration: int, rank: int) -> None:
+    """dist-checkpointing into a staging directory; rank 0 commits it (rename, then `latest`)."""
+    from megatron.core import dist_checkpointing
+
+    if rank == 0:
+        ckpt.staging_dir(ckpt_dir, iteration)
+    dist.barrier()
+    staging = ckpt_dir / f".{ckpt.iteration_name(iteration)}.tmp"
+    state = sharded_state(model, optimizer, is_loading=False, rank=rank)
+    dist_checkpointing.save(state, str(staging))
+    dist.barrier()
+    if rank == 0:
+        ckpt.atomic_write_json(staging / "stepdeploy.json", {"iteration": iteration, "optimizer": "optimizer" in state})
+        ckpt.commit(ckpt_dir, iteration)
+        log(0, f"checkpoint {iteration} committed")
+    dist.barrier()
+
+
+
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}  # fully parallel, no gather
+
+
+def sharded_state(model: Any, optimizer: Any, is_loading: bool, rank: int, with_optimizer: bool = True) -> dict:
+    model_sd = model.module.sharded_state_dict()  # through megatron's DDP to Float16Module -> GPTModel
+    state = {"model": model_sd}
+    if with_optimizer:
+        try:
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                              metadata=OPTIMIZER_SHARDING)
+        except Exception as exc:  # optimizer sharding differs across megatron-core versions: keep the weights
+            log(rank, f"optimizer state not checkpointed: {type(exc).__name__}: {exc}")
+    return state
+
+
+def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int) -> int:
+    """Load the checkpoint `latest` names (all ranks share ckpt_dir); 0 for a fresh start."""
+    import json
+
+    from megatron.core import dist_checkpointing
+
+    iteration = ckpt.latest_iteration(ckpt_dir)
+    if iteration is None:
+        return 0
+    where = ckpt_dir / ckpt.iteration_name(iteration)
+    saved = json.loads((where / "stepdeploy.json").read_text())
+    state = sharded_state(model, optimizer, is_loading=True, rank=rank, with_optimizer=saved["optimizer"])
+    loaded = dist_checkpointing.load(state, str(where))
+    model.module.load_state_dict(loaded["model"])
+    if "optimizer" in loaded:
+        optimizer.load_state_dict(loaded["optimizer"])
+    log(rank, f"resumed from checkpoint {iteration} (optimizer state: {'optimizer' in loaded})")
+    return iteration

@@ -1,0 +1,261 @@
+"""The `torch` engine: a small real decoder transformer (dense, or MoE when the model has experts) trained
+with DDP over gloo on CPU, on deterministic synthetic tokens. Standard library + torch only (shipped).
+
+The tokens come from a fixed random Markov chain (each token has a few likely successors), so the loss has
+somewhere to fall to: from ln(vocab) towards the chain's entropy. Batch i of data-parallel rank d is a
+function of (seed, i, d) alone, so a resumed run sees the same data it would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ckpt
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from metrics import RankFiles, log
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+SUCCESSORS = 4
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def norm(m: dict[str, Any]) -> nn.Module:
+    return RMSNorm(m["hidden_size"]) if m["normalization"] == "RMSNorm" else nn.LayerNorm(m["hidden_size"])
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over the last dim of [b, heads, s, d]."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, m: dict[str, Any]) -> None:
+        super().__init__()
+        self.heads, self.groups, self.dim = m["num_attention_heads"], m["num_query_groups"], m["kv_channels"]
+        width = (self.heads + 2 * self.groups) * self.dim
+        self.qkv = nn.Linear(m["hidden_size"], width, bias=m["add_bias_linear"] or m["add_qkv_bias"])
+        self.proj = nn.Linear(self.heads * self.dim, m["hidden_size"], bias=m["add_bias_linear"])
+        self.rope = m["position_embedding_type"] == "rope"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split([self.heads * self.dim, self.groups * self.dim, self.groups * self.dim], -1)
+        q = q.view(b, s, self.heads, self.dim).transpose(1, 2)
+        k = k.view(b, s, self.groups, self.dim).transpose(1, 2)
+        v = v.view(b, s, self.groups, self.dim).transpose(1, 2)
+        if self.rope:
+            q, k = rope(q), rope(k)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+        return self.proj(out.transpose(1, 2).reshape(b, s, self.heads * self.dim))
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden: int, ffn: int, gated: bool, bias: bool) -> None:
+        super().__init__()
+        self.gated = gated
+        self.fc1 = nn.Linear(hidden, 2 * ffn if gated else ffn, bias=bias)
+        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(h))
+
+
+class Moe(nn.Module):
+    """Top-k routed experts (+ an optional shared expert); every expert runs on the tokens routed to it."""
+
+    def __init__(self, m: dict[str, Any]) -> None:
+        super().__init__()
+        moe, hidden = m["moe"], m["hidden_size"]
+        self.topk, self.score = moe["topk"], moe["score_function"]
+        self.router = nn.Linear(hidden, moe["num_experts"], bias=False)
+        self.experts = nn.ModuleList(Mlp(hidden, moe["ffn_hidden_size"], m["gated_linear_unit"], False)
+                                     for _ in range(moe["num_experts"]))
+        shared = moe["shared_expert_ffn_hidden_size"]
+        self.shared = Mlp(hidden, shared, m["gated_linear_unit"], False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.router(flat)
+        probs = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
+        weights, chosen = probs.topk(self.topk, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for index, expert in enumerate(self.experts):
+            # An expert that gets no token still runs (on zero rows): its gradient is then zero, not
+            # missing, so DDP needs no unused-parameter search.
+            token, slot = (chosen == index).nonzero(as_tuple=True)
+            out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, m: dict[str, Any], index: int) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2 = norm(m), Attention(m), norm(m)
+        moe = m["moe"]
+        if moe and index >= moe["first_dense_layers"]:
+            self.ffn: nn.Module = Moe(m)
+        else:
+            self.ffn = Mlp(m["hidden_size"], m["ffn_hidden_size"], m["gated_linear_unit"], m["add_bias_linear"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, m: dict[str, Any]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(m["vocab_size"], m["hidden_size"])
+        self.pos = (nn.Embedding(m["max_position_embeddings"], m["hidden_size"])
+                    if m["position_embedding_type"] == "learned_absolute" else None)
+        self.blocks = nn.ModuleList(Block(m, i) for i in range(m["num_layers"]))
+        self.final = norm(m)
+        self.out = nn.Linear(m["hidden_size"], m["vocab_size"], bias=False)
+        if not m["untie_embeddings_and_output_weights"]:
+            self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.final(x))
+
+
+def markov_table(vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (vocab, SUCCESSORS), generator=gen)
+
+
+def synthetic_batch(table: torch.Tensor, seed: int, iteration: int, dp_rank: int, micro: int, batch: int,
+                    seq: int) -> torch.Tensor:
+    """[batch, seq + 1] tokens; the same (seed, iteration, dp_rank, micro) always gives the same tokens."""
+    mixed = ((seed * 1_000_003 + iteration) * 1_000_033 + dp_rank) * 1_009 + micro
+    gen = torch.Generator().manual_seed(mixed & 0x7FFFFFFFFFFF)
+    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, table.shape[0], (batch,), generator=gen)
+    choices = torch.randint(0, SUCCESSORS, (batch, seq), generator=gen)
+    for pos in range(seq):
+        tokens[:, pos + 1] = table[tokens[:, pos], choices[:, pos]]
+    return tokens
+
+
+def lr_at(iteration: int, cfg: dict[str, Any]) -> float:
+    train = cfg["training"]
+    base, warmup, total = train["lr"], train["warmup_iterations"], train["iterations"]
+    if iteration <= warmup:
+        return base * iteration / warmup
+    return base * 0.5 * (1 + math.cos(math.pi * (iteration - warmup) / max(1, total - warmup)))
+
+
+def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
+    rank, world, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    m, train_cfg = cfg["model"], cfg["training"]
+    seq, mbs, gbs = train_cfg["seq_length"], train_cfg["micro_batch_size"], train_cfg["global_batch_size"]
+    micro_batches = gbs // (mbs * world)
+    torch.manual_seed(train_cfg["seed"])
+    model = Decoder(m)
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=train_cfg["lr"], weight_decay=0.01)
+    ckpt_dir = out_dir / "checkpoints"
+    start = resume(model, optimizer, ckpt_dir, rank)
+    table = markov_table(m["vocab_size"], train_cfg["seed"])
+    params = sum(p.numel() for p in model.parameters())
+    log(rank, f"torch engine: {params:,} parameters, world {world}, {micro_batches} micro-batch(es) of {mbs}x{seq}, "
+              f"iterations {start + 1}..{train_cfg['iterations']}")
+    for iteration in range(start + 1, train_cfg["iterations"] + 1):
+        began = time.perf_counter()
+        lr = lr_at(iteration, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for micro in range(micro_batches):
+            tokens = synthetic_batch(table, train_cfg["seed"], iteration, rank, micro, mbs, seq)
+            logits = ddp(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            (loss / micro_batches).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step = time.perf_counter() - began
+        report(cfg, files, iteration, loss_sum / micro_batches, grad_norm, lr, step, world)
+        if should_save(iteration, train_cfg) and local_rank == 0:
+            save(model, optimizer, ckpt_dir, iteration)
+            log(rank, f"checkpoint {iteration} committed")
+    return 0
+
+
+def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+           lr: float, step: float, world: int) -> None:
+    """All-reduce the loss, gather every rank's step time, write the metrics line (rank 0), beat."""
+    loss = loss.clone()
+    dist.all_reduce(loss)
+    times = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(times, torch.tensor([step]))
+    files.beat(iteration)
+    if files.rank != 0:
+        return
+    train_cfg = cfg["training"]
+    tokens = train_cfg["global_batch_size"] * train_cfg["seq_length"]
+    slowest = max(t.item() for t in times)
+    values = {"iteration": iteration, "loss": round(loss.item() / world, 5), "grad_norm": round(grad_norm.item(), 5),
+              "lr": lr, "step_time_s": round(slowest, 4), "tokens_per_s": round(tokens / slowest, 1),
+              "rank_step_time_s": [round(t.item(), 4) for t in times], "time": time.time()}
+    files.record(values)
+    log(0, f"iter {iteration}/{train_cfg['iterations']} loss {values['loss']:.4f} grad_norm "
+           f"{values['grad_norm']:.3f} lr {lr:.2e} step {slowest:.3f}s {values['tokens_per_s']:.0f} tok/s")
+
+
+def should_save(iteration: int, train_cfg: dict[str, Any]) -> bool:
+    interval = train_cfg["save_interval"]
+    return iteration == train_cfg["iterations"] or bool(interval and iteration % interval == 0)
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: Path, iteration: int) -> None:
+    staging = ckpt.staging_dir(ckpt_dir, iteration)
+    torch.save({"iteration": iteration, "model": model.state_dict(), "optimizer": optimizer.state_dict()},
+               staging / "state.pt")
+    ckpt.commit(ckpt_dir, iteration)
+
+
+def resume(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: Path, rank: int) -> int:
+    """Every rank resumes from the same iteration: the oldest `latest` among the nodes (0: fresh)."""
+    local = torch.tensor([ckpt.latest_iteration(ckpt_dir) or 0])
+    dist.all_reduce(local, op=dist.ReduceOp.MIN)
+    iteration = int(local.item())
+    if iteration == 0:
+        return 0
+    state = torch.load(ckpt_dir / ckpt.iteration_name(iteration) / "state.pt", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    log(rank, f"resumed from checkpoint {iteration}")
+    return iteration

@@ -1,0 +1,53 @@
+"""Metrics, heartbeat and status files written by every rank (standard library only; shipped as a file).
+
+    out/metrics.jsonl          rank 0: one JSON object per iteration (the same keys for both engines)
+    out/heartbeat/rank<R>      every rank: {"iteration", "time"}, rewritten every step (hang detection)
+    out/status/rank<R>.json    every rank: {"state": "running", "pid", ...} at start, {"state": "exited",
+                               "code", "reason"} at exit. A rank killed outright leaves "running" with a
+                               dead pid: that is how the controller tells the rank that died from its victims.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ckpt import atomic_write_json
+
+METRIC_KEYS = ("iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
+               "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu", "time")
+
+
+class RankFiles:
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        self.out_dir, self.rank = out_dir, rank
+        self.heartbeat = out_dir / "heartbeat" / f"rank{rank}"
+        self.status = out_dir / "status" / f"rank{rank}.json"
+        self.metrics = out_dir / "metrics.jsonl"
+
+    def started(self, world: int, local_rank: int) -> None:
+        atomic_write_json(self.status, {"state": "running", "pid": os.getpid(), "rank": self.rank, "world": world,
+                                        "local_rank": local_rank, "host": socket.gethostname(),
+                                        "node": os.environ.get("STEPDEPLOY_NODE_NAME"), "started": time.time()})
+
+    def beat(self, iteration: int) -> None:
+        atomic_write_json(self.heartbeat, {"iteration": iteration, "time": time.time(), "pid": os.getpid()})
+
+    def exited(self, code: int, reason: str) -> None:
+        status = json.loads(self.status.read_text()) if self.status.exists() else {"rank": self.rank}
+        status.update({"state": "exited", "code": code, "reason": reason[:2000], "ended": time.time()})
+        atomic_write_json(self.status, status)
+
+    def record(self, values: dict[str, Any]) -> None:
+        """Append one metrics line (rank 0 only); missing keys are written as null."""
+        line = {key: values.get(key) for key in METRIC_KEYS}
+        with open(self.metrics, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+
+def log(rank: int, message: str) -> None:
+    print(f"[rank {rank}] {message}", flush=True)

@@ -1,0 +1,36 @@
+# shellcheck shell=bash
+# Rendered by stepdeploy 0.0.0-golden from templates/env.sh.j2 -- do not edit; render again.
+# Environment of node "hgx-1" (node rank 1); sourced by launch.sh.
+
+# the run's identity; stop and poll find this run's processes by STEPDEPLOY_RUN_ID
+export STEPDEPLOY_RUN_ID=golden-hgx
+export STEPDEPLOY_RUN_DIR=/var/lib/stepdeploy/runs/golden-hgx
+export STEPDEPLOY_NODE_NAME=hgx-1
+export STEPDEPLOY_NODE_RANK=1
+# log lines reach the log file as they are printed
+export PYTHONUNBUFFERED=1
+# training interface of hgx-1 (inventory stepdeploy_train_iface)
+export NCCL_SOCKET_IFNAME=ib0
+export GLOO_SOCKET_IFNAME=ib0
+export UCX_NET_DEVICES=ib0
+export OMPI_MCA_btl_tcp_if_include=ib0
+# RDMA devices of the inventory, exact match; on a DGX Spark both halves of the port
+export NCCL_IB_HCA='=mlx5_0,mlx5_1,mlx5_2,mlx5_3'
+# seed option ib-timeout-22: a real NCCL variable, but an exponent: 4.096 us x 2^22 = 17.2 s per retry, ~137 s with 7 retries before a queue pair errors, against ~34 s at the default 20 -- a failed link is noticed 4x later
+export NCCL_IB_TIMEOUT=22
+# retries before a queue pair errors (~34 s in all at NCCL_IB_TIMEOUT 20)
+export NCCL_IB_RETRY_CNT=7
+# a failed or timed-out collective tears the process down instead of hanging
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
+# torch's NCCL watchdog: kill a rank whose collectives made no progress for this long
+export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=480
+# seed option cuda-malloc-async: a valid allocator backend, but its memory statistics differ from the caching allocator's, so peak memory is not comparable with the planner's estimate; the default here is expandable_segments:True
+export PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
+# one hardware queue keeps TP/sequence-parallel comm ordered ahead of compute
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+# NVLink multicast off (inventory/--no-nvls): a program using it can take shared GPUs down
+export NCCL_NVLS_ENABLE=0
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_DISABLE_NVLS=1
+# seed option nccl-algo-tree: forcing Tree is rarely faster: it switches off NCCL's per-size choice between Ring, Tree, NVLS and CollNet, and Ring wins for large messages on few nodes; measure with the preflight NCCL bench first
+export NCCL_ALGO=Tree

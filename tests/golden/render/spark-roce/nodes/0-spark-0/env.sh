@@ -1,0 +1,30 @@
+# shellcheck shell=bash
+# Rendered by stepdeploy 0.0.0-golden from templates/env.sh.j2 -- do not edit; render again.
+# Environment of node "spark-0" (node rank 0); sourced by launch.sh.
+
+# the run's identity; stop and poll find this run's processes by STEPDEPLOY_RUN_ID
+export STEPDEPLOY_RUN_ID=golden-spark
+export STEPDEPLOY_RUN_DIR=/var/lib/stepdeploy/runs/golden-spark
+export STEPDEPLOY_NODE_NAME=spark-0
+export STEPDEPLOY_NODE_RANK=0
+# log lines reach the log file as they are printed
+export PYTHONUNBUFFERED=1
+# training interface of spark-0 (inventory stepdeploy_train_iface)
+export NCCL_SOCKET_IFNAME=enp1s0f1np1
+export GLOO_SOCKET_IFNAME=enp1s0f1np1
+export UCX_NET_DEVICES=enp1s0f1np1
+export OMPI_MCA_btl_tcp_if_include=enp1s0f1np1
+# RDMA devices of the inventory, exact match; on a DGX Spark both halves of the port
+export NCCL_IB_HCA='=rocep1s0f1,roceP2p1s0f1'
+# 4.096 us x 2^20 = 4.3 s per retry
+export NCCL_IB_TIMEOUT=20
+# retries before a queue pair errors (~34 s in all at NCCL_IB_TIMEOUT 20)
+export NCCL_IB_RETRY_CNT=7
+# RoCEv2 GID index found by preflight
+export NCCL_IB_GID_INDEX=3
+# a failed or timed-out collective tears the process down instead of hanging
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
+# torch's NCCL watchdog: kill a rank whose collectives made no progress for this long
+export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=480
+# fewer fragmentation OOMs with changing shapes (MoE routing)
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

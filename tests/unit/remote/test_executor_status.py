@@ -1,0 +1,27 @@
+"""The controller's verdict on a failed run: the rank that died is named before the ranks it took down."""
+
+from stepdeploy.remote.executor import NodeStatus, RankStatus, RunStatus
+
+
+def test_killed_rank_is_the_culprit_not_its_victim() -> None:
+    status = RunStatus((
+        NodeStatus("node1", "exited", 1, (RankStatus(0, "node1", 10, "exited", 3, "collective failed: closed"),)),
+        NodeStatus("node2", "exited", 1, (RankStatus(1, "node2", 11, "died"),)),
+    ))
+    assert not status.running and not status.finished_ok
+    assert status.culprits() == ["node node2 rank 1: died without exiting (pid 11 gone; killed or crashed)"]
+
+
+def test_unreachable_node_comes_first_and_victims_are_named_when_nothing_else_is_known() -> None:
+    status = RunStatus((
+        NodeStatus("node1", "exited", 1, (RankStatus(0, "node1", 10, "exited", 3, "collective failed"),)),
+        NodeStatus("node2", "unreachable", detail="timed out"),
+    ))
+    assert status.culprits() == ["node node2: unreachable (timed out)"]
+    only_victims = RunStatus((NodeStatus("n", "exited", 1, (RankStatus(0, "n", 1, "exited", 3, "timeout"),)),))
+    assert only_victims.culprits() == ["node n rank 0: exited 3 (timeout)"]
+
+
+def test_a_clean_finish_has_no_culprit() -> None:
+    status = RunStatus((NodeStatus("n", "exited", 0, (RankStatus(0, "n", 1, "exited", 0, "finished"),)),))
+    assert status.finished_ok and status.culprits() == []

@@ -1,0 +1,64 @@
+"""What the environment says and why: NCCL settings from node facts, and the seed's options with the truth."""
+
+from __future__ import annotations
+
+from stepdeploy.inventory.model import Node
+from stepdeploy.plan.layout import Layout
+from stepdeploy.render import NodeFacts, RenderOptions, node_environment
+
+
+def env_of(node: Node, layout: Layout = Layout(), facts: NodeFacts | None = None, **opts: object) -> tuple[dict, list]:
+    variables, notes = node_environment(node, 0, layout, RenderOptions(run_id="r", **opts), facts)
+    return {v.key: v.value for v in variables}, notes
+
+
+SPARK = Node(name="spark-1", address="192.0.2.1", gpus_per_node=1, gpu_model="GB10", train_iface="enp1s0f1np1",
+             fabric="roce", ib_hcas=["rocep1s0f1", "roceP2p1s0f1"])
+
+
+def test_roce_lists_both_halves_exactly_and_uses_the_discovered_gid() -> None:
+    env, notes = env_of(SPARK, facts=NodeFacts(gid_index=3))
+    assert env["NCCL_IB_HCA"] == "=rocep1s0f1,roceP2p1s0f1"
+    assert env["NCCL_SOCKET_IFNAME"] == env["UCX_NET_DEVICES"] == env["OMPI_MCA_btl_tcp_if_include"] == "enp1s0f1np1"
+    assert env["NCCL_IB_GID_INDEX"] == "3" and env["NCCL_IB_TIMEOUT"] == "20" and env["NCCL_IB_RETRY_CNT"] == "7"
+    assert "NCCL_IB_DISABLE" not in env
+    assert not notes
+
+
+def test_undiscovered_gid_is_left_to_nccl_and_said() -> None:
+    env, notes = env_of(SPARK)
+    assert "NCCL_IB_GID_INDEX" not in env
+    assert any("GID index not discovered" in n for n in notes)
+
+
+def test_tp_sets_device_max_connections_and_nvls_switches_all_three() -> None:
+    env, _ = env_of(SPARK, Layout(tp=2), disable_nvls=True)
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1"
+    env, _ = env_of(SPARK)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env and "NCCL_NVLS_ENABLE" not in env
+
+
+def test_seed_options_render_with_what_they_really_do() -> None:
+    env, notes = env_of(SPARK, seed_options=("nccl-algo-tree", "nccl-timeout-600", "ib-timeout-22",
+                                             "cuda-malloc-async"))
+    assert env["NCCL_ALGO"] == "Tree" and env["NCCL_IB_TIMEOUT"] == "22"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert "NCCL_TIMEOUT" not in env, "NCCL_TIMEOUT is not an NCCL variable: never rendered"
+    text = " ".join(notes)
+    assert "NCCL_TIMEOUT=600 is not an NCCL variable" in text
+    assert "forcing Tree is rarely faster" in text
+    assert "137 s" in text
+    assert RenderOptions(run_id="r", seed_options=("nccl-timeout-600",)).effective_pg_timeout_s == 600
+
+
+def test_cpu_node_gets_gloo_interface_and_no_cuda_settings() -> None:
+    env, _ = env_of(Node(name="n", address="10.0.0.1", gpus_per_node=0, train_iface="eth0", fabric="ethernet"))
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["NCCL_IB_DISABLE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env
+
+
+def test_extra_env_wins_over_derived_values() -> None:
+    env, _ = env_of(SPARK, extra_env=(("NCCL_IB_TIMEOUT", "18"),))
+    assert env["NCCL_IB_TIMEOUT"] == "18"

@@ -1,0 +1,84 @@
+"""`stepdeploy render` end to end on an inventory file: exit codes, dry-run, refusals, the JSON manifest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from stepdeploy.cli.app import app
+from stepdeploy.errors import BadInput
+
+SIM_INI = """[sim]
+node1 ansible_host=10.83.0.11
+node2 ansible_host=10.83.0.12
+
+[sim:vars]
+ansible_user=root
+stepdeploy_gpus_per_node=0
+stepdeploy_profile=sim-cpu
+stepdeploy_train_iface=eth0
+stepdeploy_fabric=ethernet
+"""
+H200_INI = """[gpu]
+h200 ansible_host=192.0.2.9
+
+[gpu:vars]
+stepdeploy_gpus_per_node=2
+stepdeploy_gpu_model=H200
+stepdeploy_fabric=ethernet
+"""
+
+
+def run(tmp_path: Path, text: str, *args: str) -> object:
+    inventory = tmp_path / "inv.ini"
+    inventory.write_text(text)
+    return CliRunner().invoke(app, ["render", "-i", str(inventory), *args])
+
+
+def test_render_writes_the_run_directory_and_its_manifest(tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "r1"
+    res = run(tmp_path, SIM_INI, "-m", "tiny-dense", "--out", str(out), "--run-id", "r1", "--json")
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["engine"] == "torch" and [n["name"] for n in manifest["nodes"]] == ["node1", "node2"]
+    assert (out / "nodes/0-node1/launch.sh").stat().st_mode & 0o111
+    assert json.loads((out / "workload.json").read_text())["world_size"] == 2
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "r2"
+    res = run(tmp_path, SIM_INI, "-m", "tiny-moe", "--out", str(out), "--dry-run")
+    assert res.exit_code == 0, res.output
+    assert "would write" in res.output and not out.exists()
+
+
+def test_existing_run_directory_is_never_rewritten(tmp_path: Path) -> None:
+    out = tmp_path / "r3"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    res = run(tmp_path, SIM_INI, "-m", "tiny-dense", "--out", str(out))
+    assert isinstance(res.exception, BadInput) and "not empty" in res.exception.message
+
+
+def test_torch_engine_refuses_model_parallel_layouts(tmp_path: Path) -> None:
+    res = run(tmp_path, SIM_INI, "-m", "tiny-dense", "--out", str(tmp_path / "r4"), "--layout", "tp=2")
+    assert isinstance(res.exception, BadInput) and "data-parallel only" in res.exception.message
+
+
+def test_gpu_inventory_gets_the_planners_layout_for_the_megatron_engine(tmp_path: Path) -> None:
+    out = tmp_path / "r5"
+    res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-moe", "--out", str(out), "--no-nvls")
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["engine"] == "megatron" and manifest["inputs"]["layout"]["planner"] == "chosen"
+    workload = json.loads((out / "workload.json").read_text())
+    assert workload["parallel"]["cp"] == 1 and workload["parallel"]["grouped_gemm"] is False
+    assert workload["peak_tflops"] == 790.0
+    assert "NCCL_NVLS_ENABLE=0" in (out / "nodes/0-h200/env.sh").read_text()
+
+
+def test_invalid_layout_names_the_rule(tmp_path: Path) -> None:
+    res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-dense", "--out", str(tmp_path / "r6"), "--layout", "ep=2")
+    assert isinstance(res.exception, BadInput) and "cannot run" in res.exception.message

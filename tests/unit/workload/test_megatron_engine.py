@@ -1,0 +1,112 @@
+"""What of the megatron engine runs on CPU: the config mapping from a rendered plan, and the model it builds
+with megatron-core 0.16.1 (SDPA as core attention) -- forward and backward on CPU. The training step itself
+needs CUDA and is verified on the H200 machine (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+
+from stepdeploy.catalog import load_model
+from stepdeploy.plan.layout import Layout
+from stepdeploy.plan.params import count_parameters
+from stepdeploy.render.options import RenderOptions
+from stepdeploy.render.workload import workload_config
+
+torch = pytest.importorskip("torch")
+mcore = pytest.importorskip("megatron.core", reason="megatron-core not importable (pip install megatron-core==0.16.1)")
+import engine_megatron  # noqa: E402  (tests/unit/workload/conftest.py puts the workload directory on sys.path)
+
+
+def cfg_for(model: str, layout: Layout, world: int = 1, **opts: Any) -> dict[str, Any]:
+    options = RenderOptions(run_id="t", seq_length=32, global_batch_size=world * layout.mbs, **opts)
+    return workload_config(load_model(model), layout, options, engine="megatron", world=world, peak_tflops=790.0)
+
+
+def test_plan_maps_to_megatron_config_and_parallel_sizes() -> None:
+    cfg = cfg_for("proxy-0.7b-moe", Layout(tp=2, pp=2, ep=4, etp=1, recompute="full"), world=16)
+    kwargs = engine_megatron.transformer_config_kwargs(cfg)
+    assert kwargs["tensor_model_parallel_size"] == 2 and kwargs["pipeline_model_parallel_size"] == 2
+    assert kwargs["expert_model_parallel_size"] == 4 and kwargs["expert_tensor_parallel_size"] == 1
+    assert kwargs["sequence_parallel"] is True
+    assert kwargs["num_moe_experts"] == 8 and kwargs["moe_router_topk"] == 2 and kwargs["moe_ffn_hidden_size"] == 8192
+    assert kwargs["moe_layer_freq"] == [1] * 12 and kwargs["moe_grouped_gemm"] is False
+    assert kwargs["recompute_granularity"] == "full" and kwargs["recompute_num_layers"] == 1
+    assert kwargs["activation_func"] is torch.nn.functional.gelu  # proxy: GELU MLP, not SwiGLU
+    assert engine_megatron.parallel_sizes(cfg) == {
+        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "context_parallel_size": 1,
+        "expert_model_parallel_size": 4, "expert_tensor_parallel_size": 1}
+    dense = engine_megatron.transformer_config_kwargs(cfg_for("tiny-dense", Layout()))
+    assert "num_moe_experts" not in dense and dense["sequence_parallel"] is False
+    assert dense["activation_func"] is torch.nn.functional.silu
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def single_rank() -> Any:
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+def test_model_builds_on_cpu_with_sdpa_attention_and_learns(model: str, single_rank: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # megatron-core's RoPE moves its frequencies to torch.cuda.current_device() on first use: keep them on CPU.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+    cfg = cfg_for(model, Layout(mbs=2))
+    kwargs = engine_megatron.transformer_config_kwargs(cfg)
+    kwargs |= {"bf16": False, "params_dtype": torch.float32, "pipeline_dtype": torch.float32,
+               "use_cpu_initialization": True}
+    if "num_moe_experts" in kwargs:  # 0.16.1's alltoall dispatcher allocates a torch.cuda.Stream at build time
+        kwargs["moe_token_dispatcher_type"] = "allgather"
+    gpt = engine_megatron.build_model(cfg, TransformerConfig(**kwargs))
+    assert sum(p.numel() for p in gpt.parameters()) == count_parameters(load_model(model)).total
+    cores = [m for m in gpt.modules() if type(m).__name__ == "SdpaAttention"]
+    assert len(cores) == cfg["model"]["num_layers"]
+    assert not [m for m in gpt.modules() if type(m).__name__ == "DotProductAttention"]
+    pool = engine_megatron.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, 0)
+    positions = torch.arange(32).unsqueeze(0).expand(2, -1)
+    optimizer = torch.optim.Adam(gpt.parameters(), lr=3e-3)
+    losses = []
+    for step in range(8):
+        tokens = pool[step % 2]
+        loss = gpt(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_sdpa_attention_matches_explicit_causal_softmax() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+    attention = engine_megatron.sdpa_core_attention()(config, 1, None)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 2, 4, 8, generator=gen)  # [s, b, heads, d]
+    k, v = torch.randn(5, 2, 2, 8, generator=gen), torch.randn(5, 2, 2, 8, generator=gen)
+    out = attention(q, k, v, None)
+    kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, kk) / 8**0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(5, 5, dtype=torch.bool), 1), float("-inf"))
+    expected = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), vv).reshape(5, 2, 32)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,108 @@
+"""train.py with the torch engine as one real process (gloo, world 1): metrics, heartbeat, status files,
+atomic checkpoints and resume, a bad configuration, and SIGTERM. The multi-node run is in
+tests/integration/test_launch.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import stepdeploy.workload
+from stepdeploy.catalog import load_model
+from stepdeploy.plan.layout import Layout
+from stepdeploy.render.options import RenderOptions
+from stepdeploy.render.workload import workload_config
+
+pytest.importorskip("torch")
+TRAIN = Path(stepdeploy.workload.__file__).parent / "train.py"
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def config(tmp_path: Path, iterations: int, model: str = "tiny-dense", save_interval: int = 3) -> Path:
+    opts = RenderOptions(run_id="unit", iterations=iterations, seq_length=32, global_batch_size=4, lr=1e-2,
+                         save_interval=save_interval, pg_timeout_s=30)
+    cfg = workload_config(load_model(model), Layout(mbs=2), opts, engine="torch", world=1, peak_tflops=None)
+    path = tmp_path / "workload.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def start(cfg: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_port()), "OMP_NUM_THREADS": "1", "STEPDEPLOY_NODE_NAME": "here"}
+    return subprocess.Popen([sys.executable, str(TRAIN), "--config", str(cfg), "--out-dir", str(out), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    output, _ = proc.communicate(timeout=180)
+    return proc.returncode, output
+
+
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+def test_metrics_heartbeat_status_checkpoints_and_resume(tmp_path: Path, model: str) -> None:
+    cfg, out = config(tmp_path, iterations=6, model=model), tmp_path / "out"
+    code, output = finish(start(cfg, out))
+    assert code == 0, output
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 and len(m["rank_step_time_s"]) == 1 for m in metrics)
+    assert json.loads((out / "heartbeat/rank0").read_text())["iteration"] == 6
+    status = json.loads((out / "status/rank0.json").read_text())
+    assert status["state"] == "exited" and status["code"] == 0 and status["node"] == "here"
+    assert (out / "checkpoints/latest").read_text() == "6\n"
+    assert {p.name for p in (out / "checkpoints").iterdir()} == {"latest", "iter_0000003", "iter_0000006"}
+
+    code, output = finish(start(cfg, out, "--iterations", "8"))
+    assert code == 0, output
+    assert "resumed from checkpoint 6" in output
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_bad_configuration_exits_2_and_says_so(tmp_path: Path) -> None:
+    cfg = tmp_path / "workload.json"
+    cfg.write_text(json.dumps({"format": 99}))
+    code, output = finish(start(cfg, tmp_path / "out"))
+    assert code == 2, output
+    status = json.loads((tmp_path / "out/status/rank0.json").read_text())
+    assert status["code"] == 2 and "unknown workload config format" in status["reason"]
+
+
+def test_sigterm_stops_the_rank_with_143(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = start(config(tmp_path, iterations=100000, save_interval=0), out)
+    deadline = time.monotonic() + 120
+    while not (out / "heartbeat/rank0").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code, output = finish(proc)
+    assert code == 143, output
+    status = json.loads((out / "status/rank0.json").read_text())
+    assert status["state"] == "exited" and status["reason"] == "stopped by signal SIGTERM"
+
+
+def test_synthetic_tokens_are_deterministic_and_differ_per_rank() -> None:
+    import engine_torch
+
+    table = engine_torch.markov_table(100, 1)
+    a = engine_torch.synthetic_batch(table, 1, 5, 0, 0, 2, 16)
+    assert (a == engine_torch.synthetic_batch(table, 1, 5, 0, 0, 2, 16)).all()
+    assert not (a == engine_torch.synthetic_batch(table, 1, 5, 1, 0, 2, 16)).all()
+    successors = {(int(x), int(y)) for row in a for x, y in itertools.pairwise(row.tolist())}
+    assert all(y in table[x].tolist() for x, y in successors)
