@@ -6,7 +6,6 @@ Exit codes (also in README and `stepdeploy --help`):
   2  bad input: inventory, option, file the user gave
   3  nodes unreachable
   4  this machine lacks a prerequisite (root, a host package, kernel feature)
-  5  the command exists but is not built yet in this version
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UNREACHABLE = 3
 EXIT_PREREQUISITE = 4
-EXIT_NOT_IMPLEMENTED = 5
 
 
 class StepdeployError(Exception):
@@ -40,7 +38,3 @@ class Unreachable(StepdeployError):
 
 class MissingPrerequisite(StepdeployError):
     exit_code = EXIT_PREREQUISITE
-
-
-class NotImplementedYet(StepdeployError):
-    exit_code = EXIT_NOT_IMPLEMENTED

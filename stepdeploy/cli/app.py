@@ -9,18 +9,19 @@ import typer
 from stepdeploy import __version__
 from stepdeploy.cli import demo as demo_cmd
 from stepdeploy.cli import inventory as inventory_cmd
-from stepdeploy.cli import later as later_cmd
 from stepdeploy.cli import plan as plan_cmd
 from stepdeploy.cli import preflight as preflight_cmd
 from stepdeploy.cli import provision as provision_cmd
 from stepdeploy.cli import render as render_cmd
 from stepdeploy.cli import report as report_cmd
+from stepdeploy.cli import rollout as rollout_cmd
+from stepdeploy.cli import run as run_cmd
 from stepdeploy.cli import sim as sim_cmd
 from stepdeploy.cli.output import err
 from stepdeploy.errors import StepdeployError
 
 EXIT_CODES = """Exit codes: 0 ok, 1 checks or stages failed, 2 bad input, 3 nodes unreachable,
-4 missing prerequisite on this machine (root, host package), 5 not built yet in this version."""
+4 missing prerequisite on this machine (root, host package)."""
 
 app = typer.Typer(
     name="stepdeploy",
@@ -52,6 +53,8 @@ def root(
 
 app.add_typer(sim_cmd.app, name="sim")
 app.add_typer(inventory_cmd.app, name="inventory")
+app.add_typer(rollout_cmd.app, name="rollout")
+app.add_typer(run_cmd.app, name="run")
 app.command("provision", epilog="Example: stepdeploy provision inventory/dgx.ini --check")(
     provision_cmd.provision
 )
@@ -64,7 +67,6 @@ app.command("demo", epilog="Example: stepdeploy demo --nodes 2")(demo_cmd.demo)
 app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i inventory/dgx.ini")(
     plan_cmd.plan
 )
-later_cmd.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

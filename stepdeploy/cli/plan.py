@@ -13,7 +13,8 @@ from rich.console import Console
 
 from stepdeploy.catalog import load_hardware, load_model
 from stepdeploy.cli.output import emit_json, info, out
-from stepdeploy.errors import EXIT_FAILED, BadInput, NotImplementedYet
+from stepdeploy.errors import EXIT_FAILED, BadInput
+from stepdeploy.inventory import load_cluster
 from stepdeploy.plan import report
 from stepdeploy.plan.cluster import ClusterShape, cluster_shape, shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, parse_layout
@@ -31,13 +32,6 @@ def _table(table: Any) -> None:
 
 
 def _inventory_shape(path: str) -> ClusterShape:
-    try:
-        from stepdeploy.inventory import load_cluster  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise NotImplementedYet(
-            "reading an inventory is not built yet in this version",
-            hint="describe the cluster instead: --nodes 2 --gpus-per-node 8 --gpu H200",
-        ) from exc
     return shape_from_cluster(load_cluster(path))
 
 

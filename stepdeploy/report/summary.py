@@ -19,7 +19,9 @@ from stepdeploy.ledger import Ledger, Stage
 # it is shipped to the nodes as a loose file) that the report reads back from the ledger.
 METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
                 "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu")
-LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate")  # anything else counts as a fault/notice
+# Informational kinds the ledger and the rollout controller write; anything else (failure, restart, fault
+# injection, monitor breaches) counts as a fault/notice.
+LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate", "warmup", "config", "stop")
 
 
 @dataclass(frozen=True)

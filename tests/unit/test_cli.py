@@ -35,7 +35,8 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str
 
 def test_the_verbs_later_issues_fill_exist() -> None:
     top = {path[0] for path in COMMANDS}
-    assert {"provision", "preflight", "plan", "render", "rollout", "report", "sim", "inventory"} <= top
+    assert {"provision", "preflight", "plan", "render", "run", "rollout", "report", "sim", "inventory", "demo"} <= top
+    assert {("rollout", v) for v in ("run", "status", "resume", "stop", "list")} <= set(COMMANDS)
     assert {("sim", v) for v in ("up", "down", "status", "ssh")} <= set(COMMANDS)
 
 
@@ -51,13 +52,6 @@ def test_version() -> None:
     res = _run("--version")
     assert res.returncode == 0
     assert res.stdout.strip() == f"stepdeploy {__version__}"
-
-
-def test_unbuilt_verbs_say_so_and_exit_5() -> None:
-    res = _run("rollout", "run", "-i", "inventory/dgx.ini")
-    assert res.returncode == 5
-    expected = "error: `stepdeploy rollout run` is not built yet in this version"
-    assert res.stderr.strip().splitlines() == [expected]
 
 
 def test_unknown_option_is_bad_input_exit_2() -> None:

@@ -1,0 +1,227 @@
+"""`stepdeploy rollout run|resume|status|stop|list`: the staged, gated, resumable rollout."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import typer
+from rich.live import Live as RichLive
+from rich.table import Table
+
+from stepdeploy.cli.output import emit_json, err, info, out
+from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
+from stepdeploy.inventory import load_cluster
+from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
+from stepdeploy.rollout import gates
+from stepdeploy.rollout.attempt import StageFailed, executor_for
+from stepdeploy.rollout.ladder import parse_stages, scale_ladder, target_rung
+from stepdeploy.rollout.runner import Rollout, RolloutConfig
+from stepdeploy.rollout.view import PlainReporter, render
+
+app = typer.Typer(help="Staged rollout: warmup, scaling ladder, soak — gated, resumable, recorded in a ledger.",
+                  no_args_is_help=True)
+RUN = typer.Argument(..., help="The run directory (holds ledger.sqlite).")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)?$")
+
+
+def parse_duration(text: str) -> float:
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise BadInput(f"duration {text!r} is not like 90s, 5m, 72h or 3d")
+    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2) or "s"]
+
+
+@app.command("run", epilog="Example: stepdeploy rollout run -i inventory/dgx.ini --model step-3.5-flash "
+             "--stages warmup,scale,soak --soak-duration 72h")
+def run_cmd(
+    inventory: str = typer.Option(..., "--inventory", "-i", help="Ansible inventory."),
+    model: str = typer.Option(..., "--model", "-m", help="Target catalog model."),
+    stages: str = typer.Option("warmup,scale,soak", "--stages", help="Comma-separated: warmup,scale,soak."),
+    soak_duration: str = typer.Option("72h", "--soak-duration", help="e.g. 90s, 10m, 72h."),
+    checkpoint_interval: int = typer.Option(20, "--checkpoint-interval", min=1, help="Soak: checkpoint every N steps."),
+    warmup_iterations: int = typer.Option(10, "--warmup-iterations", min=1),
+    scale_iterations: int = typer.Option(30, "--scale-iterations", min=2),
+    layout: str | None = typer.Option(None, "--layout", help="Target layout (default: the planner's best)."),
+    min_scaling_efficiency: float = typer.Option(0.7, "--min-scaling-efficiency", min=0.0),
+    max_step_time: float | None = typer.Option(None, "--max-step-time", help="Gate: steady step time ceiling, s."),
+    pg_timeout: int = typer.Option(60, "--pg-timeout", min=1, help="Process-group timeout, s."),
+    seq: int | None = typer.Option(None, "--seq", min=1, help="Sequence length (default: each model's)."),
+    gbs: int | None = typer.Option(None, "--gbs", min=1, help="Global batch size (default: each model's)."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Default: runs/<model>-<UTC time>."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print every stage, rung and gate; start nothing."),
+) -> None:
+    """Start a rollout. Exit 0 all stages passed, 1 a gate failed (resume with `rollout resume RUN`)."""
+    config = RolloutConfig(inventory=str(Path(inventory).resolve()), model=model, stages=parse_stages(stages),
+                           layout=layout, warmup_iterations=warmup_iterations, scale_iterations=scale_iterations,
+                           soak_duration_s=parse_duration(soak_duration), checkpoint_interval=checkpoint_interval,
+                           pg_timeout_s=pg_timeout, seq_length=seq, global_batch_size=gbs,
+                           thresholds=gates.Thresholds(min_scaling_efficiency=min_scaling_efficiency,
+                                                       max_step_time_s=max_step_time))
+    run_id = (run_dir.name if run_dir else f"{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    run_dir = run_dir or Path("runs") / run_id
+    if dry_run:
+        _print_plan(config)
+        return
+    if (run_dir / "ledger.sqlite").exists():
+        raise BadInput(f"{run_dir} already holds a rollout", hint=f"stepdeploy rollout resume {run_dir}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with controller_lock(run_dir):
+        ledger = Ledger(run_dir / "ledger.sqlite")
+        ledger.create_run(run_id, config.to_json(), list(config.stages))
+        _drive(run_dir, ledger, run_id, config)
+
+
+@app.command("resume", epilog="Example: stepdeploy rollout resume runs/r1 --min-scaling-efficiency 0.5")
+def resume_cmd(
+    run_dir: Path = RUN,
+    min_scaling_efficiency: float | None = typer.Option(None, "--min-scaling-efficiency", min=0.0),
+    max_step_time: float | None = typer.Option(None, "--max-step-time"),
+) -> None:
+    """Continue a rollout: finished stages are not re-run; a running one is re-attached or restarted."""
+    ledger, run_id = _open(run_dir)
+    with controller_lock(run_dir):
+        (run_dir / "STOP").unlink(missing_ok=True)
+        config = RolloutConfig.from_json(ledger.run(run_id)["config"])
+        changes = {k: v for k, v in {"min_scaling_efficiency": min_scaling_efficiency,
+                                     "max_step_time_s": max_step_time}.items() if v is not None}
+        if changes:
+            config = replace(config, thresholds=replace(config.thresholds, **changes))
+            ledger.event(run_id, "config", f"thresholds changed on resume: {changes}")
+        _drive(run_dir, ledger, run_id, config)
+
+
+def _drive(run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig) -> None:
+    rollout = Rollout(run_dir, ledger, run_id, config)
+    try:
+        if err.is_terminal:
+            with RichLive(console=err, refresh_per_second=2, transient=True) as live:
+                rollout.on_tick = lambda lv: live.update(render(ledger, run_id, lv, time.time()))
+                rollout.run()
+        else:
+            plain = PlainReporter(ledger, run_id, err)
+            rollout.on_tick = plain
+            try:
+                rollout.run()
+            finally:
+                plain.flush_events()
+    except StageFailed as exc:
+        err.print(f"error: {exc.message}", markup=False, soft_wrap=True)
+        err.print(f"hint: fix the cause (or a threshold), then: stepdeploy rollout resume {run_dir}", markup=False)
+        _print_status(ledger, run_id)
+        raise typer.Exit(EXIT_FAILED) from None
+    _print_status(ledger, run_id)
+    info(f"report: stepdeploy report {run_dir}")
+
+
+def _open(run_dir: Path) -> tuple[Ledger, str]:
+    if not (run_dir / "ledger.sqlite").exists():
+        raise BadInput(f"{run_dir}: no rollout ledger here", hint="stepdeploy rollout list")
+    ledger = Ledger(run_dir / "ledger.sqlite")
+    ids = ledger.run_ids()
+    if not ids:
+        raise BadInput(f"{run_dir}: the ledger holds no run")
+    return ledger, ids[-1]
+
+
+@app.command("status", epilog="Example: stepdeploy rollout status runs/r1 --json")
+def status_cmd(run_dir: Path = RUN, json_out: bool = typer.Option(False, "--json")) -> None:
+    """Stages, rungs, attempts and gate verdicts of a rollout."""
+    ledger, run_id = _open(run_dir)
+    if json_out:
+        emit_json({"run": ledger.run(run_id), "stages": [asdict(s) for s in ledger.stages(run_id)],
+                   "rungs": ledger.rungs(run_id, "scale"), "attempts": ledger.attempts(run_id),
+                   "verdicts": ledger.verdicts(run_id)})
+        return
+    _print_status(ledger, run_id)
+
+
+def _print_status(ledger: Ledger, run_id: str) -> None:
+    run = ledger.run(run_id)
+    table = Table(title=f"rollout {run_id}: {run['status']}", title_justify="left")
+    for col in ("stage", "status", "reason"):
+        table.add_column(col)
+    for s in ledger.stages(run_id):
+        table.add_row(s.name, s.status, s.reason or "")
+    out.print(table)
+    gates_table = Table(title="gates", title_justify="left")
+    for col in ("stage/rung", "gate", "verdict", "reason"):
+        gates_table.add_column(col)
+    for v in ledger.verdicts(run_id):
+        gates_table.add_row(f"{v['stage']}/{v['rung']}", v["gate"], "pass" if v["passed"] else "FAIL", v["reason"])
+    out.print(gates_table)
+
+
+@app.command("stop", epilog="Example: stepdeploy rollout stop runs/r1")
+def stop_cmd(run_dir: Path = RUN) -> None:
+    """Stop a rollout: its processes on every node (proved gone), and its controller if one runs."""
+    ledger, run_id = _open(run_dir)
+    (run_dir / "STOP").write_text("stop requested\n")
+    ledger.event(run_id, "stop", "stop requested")
+    config = RolloutConfig.from_json(ledger.run(run_id)["config"])
+    cluster = load_cluster(config.inventory)
+    left = []
+    for attempt in ledger.attempts(run_id):
+        if attempt["status"] == "running":
+            with executor_for(cluster, Path(attempt["detail"]["local_run"])) as executor:
+                results = executor.stop()
+            left += [f"{r.node}: {r.detail}" for r in results if not r.ok]
+    try:
+        with controller_lock(run_dir):  # no controller: record the stop ourselves
+            for attempt in ledger.attempts(run_id):
+                if attempt["status"] == "running":
+                    ledger.finish_attempt(attempt["id"], "stopped", {"why": "rollout stop"})
+            running = [s for s in ledger.stages(run_id) if s.status == "running"]
+            for s in running:
+                ledger.set_stage(run_id, s.name, "stopped", "rollout stop")
+            ledger.set_run_status(run_id, "stopped")
+    except LedgerLocked:
+        info("a controller is running this rollout; it will record the stop")
+    if left:
+        raise StepdeployError("processes still running after stop: " + "; ".join(left))
+    info(f"stopped {run_id}; nothing of it runs on any node")
+
+
+@app.command("list", epilog="Example: stepdeploy rollout list --runs runs")
+def list_cmd(runs: Path = typer.Option(Path("runs"), "--runs", help="Directory of run directories."),
+             json_out: bool = typer.Option(False, "--json")) -> None:
+    """Every rollout under --runs with its status."""
+    rows = []
+    for ledger_path in sorted(runs.glob("*/ledger.sqlite")):
+        ledger = Ledger(ledger_path)
+        for run_id in ledger.run_ids():
+            run = ledger.run(run_id)
+            rows.append({"run": run_id, "dir": str(ledger_path.parent), "status": run["status"],
+                         "model": run["config"].get("model"), "created": run["created"]})
+        ledger.close()
+    if json_out:
+        emit_json(rows)
+        return
+    table = Table()
+    for col in ("run", "status", "model", "dir"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["run"], r["status"], r["model"] or "", r["dir"])
+    out.print(table)
+
+
+def _print_plan(config: RolloutConfig) -> None:
+    cluster = load_cluster(config.inventory)
+    plan = {"stages": list(config.stages), "gates": asdict(config.thresholds)}
+    if "warmup" in config.stages:
+        plan["warmup"] = {**target_rung(cluster, config.model).as_dict(), "iterations": config.warmup_iterations,
+                          "gates": ["completed", "loss_finite"]}
+    if "scale" in config.stages:
+        plan["scale"] = [{"rung": r.name, **r.as_dict(), "iterations": config.scale_iterations,
+                          "gates": ["completed", "loss_finite", "loss_falling", "scaling_efficiency",
+                                    "memory_vs_plan"]} for r in scale_ladder(cluster, config.model)]
+    if "soak" in config.stages:
+        plan["soak"] = {**target_rung(cluster, config.model).as_dict(), "duration_s": config.soak_duration_s,
+                        "checkpoint_interval": config.checkpoint_interval, "max_restarts": config.soak_max_restarts,
+                        "gates": ["no_unrecovered_failure", "loss_finite"]}
+    plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
+                        "(torchrun; see `stepdeploy render`)")
+    out.print(json.dumps(plan, indent=2), markup=False)

@@ -1,0 +1,134 @@
+"""One attempt of one rung: render it, launch it through the executor, follow it, bring its metrics back.
+
+Side effects live here (files, SSH); the decisions (gates) are pure functions in gates.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stepdeploy import __version__
+from stepdeploy.catalog import load_hardware, load_model
+from stepdeploy.errors import StepdeployError
+from stepdeploy.inventory.model import Cluster
+from stepdeploy.plan.cluster import shape_from_cluster
+from stepdeploy.remote.executor import RunStatus
+from stepdeploy.remote.fabric_executor import FabricExecutor, targets_from
+from stepdeploy.remote.ssh import endpoint_for
+from stepdeploy.render import RenderOptions, load_workload_sources, render_run
+from stepdeploy.render.build import choose_layout, write_run
+from stepdeploy.rollout.ladder import Rung, sub_cluster
+
+
+class StageFailed(StepdeployError):
+    """A gate failed or a stage could not complete; the rollout stops there (and can be resumed)."""
+
+
+@dataclass
+class Live:
+    """What the live view shows about the attempt in flight (updated on every poll)."""
+
+    stage: str = ""
+    rung: str = ""
+    iteration: int | None = None
+    total: int | None = None
+    started: float = 0.0
+    deadline: float | None = None
+    last: dict[str, Any] = field(default_factory=dict)  # the latest metrics line
+    status: RunStatus | None = None
+    feed: list[str] = field(default_factory=list)
+
+    def note(self, line: str) -> None:
+        self.feed = [*self.feed[-7:], line]
+
+
+def render_attempt(cluster: Cluster, rung: Rung, opts: RenderOptions, layout: str | None, dest: Path) -> dict[str, Any]:
+    """Write the rung's run directory to `dest`; returns the planner's summary (prediction) for its layout."""
+    sub = sub_cluster(cluster, rung.nodes)
+    spec = load_model(rung.model)
+    seq = opts.seq_length or spec.training.seq_length
+    gbs = opts.global_batch_size or spec.training.global_batch_size
+    chosen, summary = choose_layout(sub, spec, layout, seq, gbs)
+    peak = None
+    if sub.nodes[0].gpus_per_node and sub.nodes[0].gpu_model:
+        peak = load_hardware().peak_tflops(shape_from_cluster(sub).gpu)
+    inputs = {"inventory": {"path": str(cluster.source)}, "model": {"name": spec.name},
+              "layout": {"given": layout, **summary}, "rung": rung.as_dict()}
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    rendered = render_run(sub, spec, chosen, opts, inputs=inputs, created=created, version=__version__,
+                          workload_sources=load_workload_sources(), peak_tflops=peak)
+    write_run(rendered, dest)
+    return {**summary, "layout": chosen.short()}
+
+
+def executor_for(cluster: Cluster, local_run: Path) -> FabricExecutor:
+    manifest = json.loads((local_run / "manifest.json").read_text())
+    endpoints = {node.name: endpoint_for(node) for node in cluster.nodes}
+    return FabricExecutor(manifest["run_id"], manifest["run_dir"], targets_from(manifest, endpoints))
+
+
+def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:
+    """The last metrics line rank 0 wrote (on the first node), or {} before the first step."""
+    for result in executor.run_command("tail -n 1 out/metrics.jsonl 2>/dev/null")[:1]:
+        try:
+            return json.loads(result.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            return {}
+    return {}
+
+
+def read_metrics(fetched: Path) -> list[dict[str, Any]]:
+    """Every metrics line fetched from the nodes (rank 0 writes them; its node's copy is the one)."""
+    lines: list[dict[str, Any]] = []
+    for path in sorted(fetched.glob("*/out/metrics.jsonl")) + sorted(fetched.glob("**/out/metrics.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill: skip it
+        if lines:
+            break
+    return lines
+
+
+def follow(executor: FabricExecutor, live: Live, *, deadline: float, interval: float,
+           should_stop: Callable[[], bool], on_tick: Callable[[Live], None]) -> tuple[RunStatus, str]:
+    """Poll until the run ends, the deadline passes or a stop is requested; returns (status, why it ended)."""
+    while True:
+        status = executor.poll()
+        live.status = status
+        live.last = latest_metrics(executor) or live.last
+        live.iteration = live.last.get("iteration", live.iteration)
+        on_tick(live)
+        if not status.running:
+            return status, "exited"
+        if should_stop():
+            return status, "stop requested"
+        if time.time() >= deadline:
+            return status, "deadline"
+        time.sleep(interval)
+
+
+def downsample(metrics: list[dict[str, Any]], limit: int = 400) -> list[dict[str, Any]]:
+    """At most `limit` lines, evenly spaced, always keeping the first and the last."""
+    if len(metrics) <= limit:
+        return metrics
+    step = (len(metrics) - 1) / (limit - 1)
+    return [metrics[round(i * step)] for i in range(limit)]
+
+
+def metric_rows(metrics: list[dict[str, Any]], names: tuple[str, ...]) -> list[tuple[float, int, int, str, float]]:
+    """Ledger rows (ts, rank, iteration, name, value); per-rank step times become one row per rank."""
+    rows: list[tuple[float, int, int, str, float]] = []
+    for m in downsample(metrics):
+        ts, it = float(m.get("time") or 0.0), int(m.get("iteration") or 0)
+        rows += [(ts, 0, it, name, float(m[name])) for name in names if isinstance(m.get(name), int | float)]
+        per_rank = m.get("rank_step_time_s")
+        if isinstance(per_rank, list):
+            rows += [(ts, r, it, "rank_step_time_s", float(v)) for r, v in enumerate(per_rank) if v is not None]
+    return rows

@@ -1,0 +1,223 @@
+"""The rollout controller: stages in order, each gated; every transition written to the ledger before it is
+acted on, so `rollout resume` continues after any crash of the controller (kill -9 included)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stepdeploy.inventory import load_cluster
+from stepdeploy.inventory.model import Cluster
+from stepdeploy.ledger import Ledger
+from stepdeploy.remote.fabric_executor import FabricExecutor
+from stepdeploy.render import RenderOptions
+from stepdeploy.rollout import gates, soak
+from stepdeploy.rollout.attempt import (
+    Live,
+    StageFailed,
+    executor_for,
+    follow,
+    metric_rows,
+    read_metrics,
+    render_attempt,
+)
+from stepdeploy.rollout.ladder import Rung, scale_ladder, target_rung
+
+METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mem_allocated_gib",
+                "mem_reserved_gib", "mem_peak_gib", "mfu")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    inventory: str
+    model: str
+    stages: tuple[str, ...]
+    layout: str | None = None
+    proxy_model: str | None = None
+    warmup_iterations: int = 10
+    scale_iterations: int = 30
+    soak_duration_s: float = 72 * 3600.0
+    checkpoint_interval: int = 20
+    soak_max_restarts: int = 3
+    attempt_timeout_s: float = 1800.0
+    pg_timeout_s: int = 60
+    poll_interval_s: float = 2.0
+    seq_length: int | None = None
+    global_batch_size: int | None = None
+    thresholds: gates.Thresholds = field(default_factory=gates.Thresholds)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RolloutConfig:
+        data = dict(data)
+        data["stages"] = tuple(data["stages"])
+        data["thresholds"] = gates.Thresholds(**data.get("thresholds", {}))
+        return cls(**data)
+
+
+class Rollout:
+    def __init__(self, run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig,
+                 on_tick: Callable[[Live], None] = lambda _live: None) -> None:
+        self.run_dir, self.ledger, self.run_id, self.config = run_dir, ledger, run_id, config
+        self.cluster: Cluster = load_cluster(config.inventory)
+        self.on_tick = on_tick
+        self.live = Live()
+
+    # --- the whole run -------------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.ledger.set_run_status(self.run_id, "running")
+        while (stage := self.ledger.next_stage(self.run_id)) is not None:
+            if self._stop_requested():
+                self.ledger.set_stage(self.run_id, stage.name, "stopped", "stop requested")
+                self.ledger.set_run_status(self.run_id, "stopped")
+                return
+            self.ledger.set_stage(self.run_id, stage.name, "running")
+            try:
+                getattr(self, f"_{stage.name}")()
+            except StageFailed as exc:
+                self.ledger.set_stage(self.run_id, stage.name, "failed", exc.message)
+                self.ledger.set_run_status(self.run_id, "failed")
+                raise
+            self.ledger.set_stage(self.run_id, stage.name, "passed")
+        self.ledger.set_run_status(self.run_id, "passed")
+
+    def _stop_requested(self) -> bool:
+        return (self.run_dir / "STOP").exists()
+
+    # --- stages ----------------------------------------------------------------------------------------------
+    def _warmup(self) -> None:
+        rung = target_rung(self.cluster, self.config.model)
+        metrics, _summary, _status = self._gated_attempt("warmup", rung, self.config.warmup_iterations)
+        first, steady = gates.steady_step_time(metrics)
+        self.ledger.event(self.run_id, "warmup", f"first step {first} s, steady step {steady} s", stage="warmup",
+                          data={"first_step_s": first, "steady_step_s": steady})
+
+    def _scale(self) -> None:
+        rungs = scale_ladder(self.cluster, self.config.model, self.config.proxy_model)
+        self.ledger.add_rungs(self.run_id, "scale", [(r.name, r.as_dict()) for r in rungs])
+        done = {r["name"]: r for r in self.ledger.rungs(self.run_id, "scale")}
+        previous: float | None = None
+        for rung in rungs:
+            if done[rung.name]["status"] == "passed":
+                previous = self._recorded_throughput(rung.name) or previous
+                continue
+            if rung.skip_reason:
+                self.ledger.set_rung(self.run_id, "scale", rung.name, "skipped", rung.skip_reason)
+                continue
+            self.ledger.set_rung(self.run_id, "scale", rung.name, "running")
+            metrics, _summary, _status = self._gated_attempt(
+                "scale", rung, self.config.scale_iterations,
+                extra=lambda m, s, r=rung, p=previous: self._scale_gates(r, m, s, p))
+            previous = gates.throughput_per_gpu(metrics, rung.world)
+            self.ledger.set_rung(self.run_id, "scale", rung.name, "passed")
+
+    def _scale_gates(self, rung: Rung, metrics: list[dict[str, Any]], summary: dict[str, Any],
+                     previous: float | None) -> list[gates.GateVerdict]:
+        t = self.config.thresholds
+        current = gates.throughput_per_gpu(metrics, rung.world)
+        peak = max((m["mem_peak_gib"] for m in metrics if m.get("mem_peak_gib")), default=None)
+        verdicts = [gates.loss_falling(metrics, t), gates.scaling_efficiency(current, previous, t),
+                    gates.memory_matches_plan(peak, summary.get("predicted_torch_allocated_gib"), t)]
+        ceiling = gates.step_time_ceiling(metrics, t)
+        return [*verdicts, ceiling] if ceiling else verdicts
+
+    def _recorded_throughput(self, rung: str) -> float | None:
+        attempts = self.ledger.attempts(self.run_id, "scale")
+        passed = [a for a in attempts if a["rung"] == rung and a["status"] == "passed"]
+        return passed[-1]["detail"].get("tokens_per_gpu") if passed else None
+
+    def _soak(self) -> None:
+        soak.run_soak(self)
+
+    # --- one gated attempt -----------------------------------------------------------------------------------
+    def _gated_attempt(self, stage: str, rung: Rung, iterations: int,
+                       extra: Callable[[list[dict[str, Any]], dict[str, Any]], list[gates.GateVerdict]] | None = None,
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any], Any]:
+        attempt, local, summary, reattach = self._attempt_for(stage, rung, iterations)
+        with executor_for(self.cluster, local) as executor:
+            status, why = self._launch_and_follow(executor, local, stage, rung, iterations,
+                                                  time.time() + self.config.attempt_timeout_s, reattach=reattach)
+            metrics = self._collect(executor, local, attempt)
+        verdicts = [gates.completed(status.finished_ok and why == "exited", status.culprits() or [why]),
+                    gates.losses_finite(metrics)]
+        if extra is not None and verdicts[0].passed:
+            verdicts += extra(metrics, summary)
+        self._record(stage, rung, attempt, verdicts, metrics)
+        return metrics, summary, status
+
+    def _attempt_for(self, stage: str, rung: Rung, iterations: int) -> tuple[int, Path, dict[str, Any], bool]:
+        """The attempt to follow: one a dead controller left running (re-attached if its processes live,
+        else recorded as failed), or a new one, rendered into its own directory."""
+        mine = [a for a in self.ledger.attempts(self.run_id, stage) if a["rung"] == rung.name]
+        if mine and mine[-1]["status"] == "running":
+            left = mine[-1]
+            local = Path(left["detail"]["local_run"])
+            with executor_for(self.cluster, local) as executor:
+                status = executor.poll()
+            if status.running or status.finished_ok:
+                self.ledger.event(self.run_id, "attempt", f"{stage}/{rung.name} attempt {left['number']} "
+                                  "re-attached", stage=stage, rung=rung.name)
+                return left["id"], local, left["detail"].get("plan", {}), True
+            self.ledger.finish_attempt(left["id"], "failed", {"reason": "the controller died and so did the run: "
+                                                              + "; ".join(status.culprits() or ["processes gone"])})
+        number = len(mine) + 1
+        local = self.run_dir / "attempts" / f"{stage}-{rung.name}-a{number}"
+        opts = self.render_options(stage, rung, iterations, f"{self.run_id}-{stage}-{rung.name}-a{number}")
+        layout = self.config.layout if rung.model == self.config.model else None
+        summary = render_attempt(self.cluster, rung, opts, layout, local)
+        attempt = self.ledger.start_attempt(self.run_id, stage, rung.name,
+                                            {"local_run": str(local), "rung": rung.as_dict(), "plan": summary})
+        return attempt, local, summary, False
+
+    def render_options(self, stage: str, rung: Rung, iterations: int, run_id: str) -> RenderOptions:
+        return RenderOptions(run_id=run_id, stage=stage, iterations=iterations, nproc_per_node=rung.nproc_per_node,
+                             pg_timeout_s=self.config.pg_timeout_s, seq_length=self.config.seq_length,
+                             global_batch_size=self.config.global_batch_size,
+                             save_interval=self.config.checkpoint_interval if stage == "soak" else 0)
+
+    def _launch_and_follow(self, executor: FabricExecutor, local: Path, stage: str, rung: Rung, total: int | None,
+                           deadline: float, *, reattach: bool = False) -> tuple[Any, str]:
+        for step in () if reattach else (executor.prepare, executor.start):
+            results = step(local) if step == executor.prepare else step()
+            bad = [r for r in results if not r.ok]
+            if bad:
+                raise StageFailed(f"{stage}/{rung.name}: {bad[0].node}: {bad[0].detail}")
+        self.live = Live(stage=stage, rung=rung.name, total=total, started=time.time(), deadline=deadline)
+        status, why = follow(executor, self.live, deadline=deadline, interval=self.config.poll_interval_s,
+                             should_stop=self._stop_requested, on_tick=self.on_tick)
+        if status.running:
+            executor.stop()
+        return status, why
+
+    def _collect(self, executor: FabricExecutor, local: Path, attempt: int) -> list[dict[str, Any]]:
+        return self._collect_since(executor, local, attempt, 0.0)
+
+    def _collect_since(self, executor: FabricExecutor, local: Path, attempt: int, since: float
+                       ) -> list[dict[str, Any]]:
+        """Fetch the run's files; metrics lines written since `since` go to the ledger (a restarted soak
+        appends to the same metrics file, so earlier attempts' lines are not counted twice)."""
+        fetched = local / "fetched"
+        executor.fetch(fetched)
+        metrics = [m for m in read_metrics(fetched) if float(m.get("time") or 0.0) >= since]
+        if metrics:
+            self.ledger.add_metrics(self.run_id, attempt, metric_rows(metrics, METRIC_NAMES))
+        return metrics
+
+    def _record(self, stage: str, rung: Rung, attempt: int, verdicts: list[gates.GateVerdict],
+                metrics: list[dict[str, Any]]) -> None:
+        for v in verdicts:
+            self.ledger.verdict(self.run_id, stage, rung.name, v.gate, v.passed, v.measured, v.threshold, v.reason)
+        failed = [v for v in verdicts if not v.passed]
+        last = metrics[-1] if metrics else {}
+        self.ledger.finish_attempt(attempt, "failed" if failed else "passed",
+                                   {"iterations": last.get("iteration"), "final_loss": last.get("loss"),
+                                    "tokens_per_gpu": gates.throughput_per_gpu(metrics, rung.world)})
+        if failed:
+            if stage == "scale":
+                self.ledger.set_rung(self.run_id, stage, rung.name, "failed", failed[0].reason)
+            raise StageFailed(f"{stage}/{rung.name}: gate {failed[0].gate} failed: {failed[0].reason}")
