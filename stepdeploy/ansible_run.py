@@ -23,6 +23,7 @@ def runner_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "ANSIBLE_DEPRECATION_WARNINGS": "False",
         "ANSIBLE_RETRY_FILES_ENABLED": "False",
         "ANSIBLE_NOCOLOR": "True",  # logs are files; colour codes would only garble them
+        "ANSIBLE_PIPELINING": "True",  # one SSH round trip less per task (~20 % faster); needs no requiretty
     }
     env.update(extra or {})
     return env

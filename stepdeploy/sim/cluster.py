@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stepdeploy.errors import BadInput, StepdeployError
-from stepdeploy.sim import base, host, network, node, repo
+from stepdeploy.sim import base, host, mirror, network, node, repo, standins
 from stepdeploy.sim import state as statefile
 from stepdeploy.sim.state import NodeState, SimState, is_ours
 
@@ -94,6 +94,7 @@ def up(cfg: SimConfig, nodes: int, progress: Progress = _quiet) -> SimState:
         statefile.save(cfg.dir, sim)
         network.ensure_bridge(sim.bridge, f"{sim.bridge_address}/{_prefix(cfg)}")
         repo.ensure_layout(cfg.dir, base.wheelhouse_dir())
+        _seed_packages(cfg, base_path, progress)
         repo.ensure_server(cfg.dir, sim)
         statefile.save(cfg.dir, sim)
         for index in range(len(sim.nodes) + 1, nodes + 1):
@@ -121,6 +122,15 @@ def _check_compatible(cfg: SimConfig, sim: SimState | None, nodes: int, base_pat
                        hint=f"stepdeploy sim down --name {cfg.name}, then sim up again")
     sim.base = str(base_path)
     return sim
+
+
+def _seed_packages(cfg: SimConfig, base_path: Path, progress: Progress) -> None:
+    """What the provisioning roles install, offline: the Debian packages (with their dependency closure
+    against the base, downloaded once and cached) and the stand-in NVIDIA packages (built once)."""
+    debs = mirror.ensure_debs(base_path)
+    if repo.add_missing(repo.repo_dir(cfg.dir) / "apt", debs):
+        progress(f"apt repository: {len(debs)} Debian packages for the roles")
+    standins.publish(cfg.dir, standins.build_all())
 
 
 def _prefix(cfg: SimConfig) -> int:
@@ -177,6 +187,17 @@ stepdeploy_gpus_per_node=0
 stepdeploy_profile=sim-cpu
 stepdeploy_train_iface=eth0
 stepdeploy_fabric=ethernet
+# Provisioning roles: NVIDIA's packages come from the cluster's stand-in repository (an air-gapped mirror
+# of NVIDIA's flat CUDA repository, unsigned); nodes share the host's kernel, so host-wide sysctls are
+# written but not applied.
+nvidia_repo_url={repo.url(sim)}/nvidia
+nvidia_repo_suite=./
+nvidia_repo_trusted=true
+common_sysctl_apply=false
+# Python environments from the cluster's wheelhouse (served over plain HTTP on the bridge).
+python_env_pip_find_links={repo.url(sim)}/wheels/
+python_env_pip_no_index=true
+python_env_pip_trusted_hosts={sim.bridge_address}
 """
 
 

@@ -40,12 +40,29 @@ def ensure_layout(state_dir: Path, wheelhouse: Path | None = None) -> None:
 
 
 def reindex_apt(state_dir: Path) -> None:
-    apt = repo_dir(state_dir) / "apt"
+    index_flat(repo_dir(state_dir) / "apt")
+
+
+def index_flat(directory: Path) -> None:
+    """Packages and Packages.gz for a flat repository (`deb [trusted=yes] URL ./`)."""
     packages = host.run(["dpkg-scanpackages", "--multiversion", "."], env=None, timeout=300,
-                        cwd=apt).stdout
-    (apt / "Packages").write_text(packages)
-    with gzip.open(apt / "Packages.gz", "wt") as fh:
+                        cwd=directory).stdout
+    (directory / "Packages").write_text(packages)
+    with gzip.open(directory / "Packages.gz", "wt") as fh:
         fh.write(packages)
+
+
+def add_missing(directory: Path, debs: Iterable[Path]) -> int:
+    """Copy the .debs `directory` lacks and reindex it if any was added; returns how many were added."""
+    directory.mkdir(parents=True, exist_ok=True)
+    added = 0
+    for deb in debs:
+        if not (directory / deb.name).exists():
+            shutil.copy2(deb, directory / deb.name)
+            added += 1
+    if added or not (directory / "Packages").exists():
+        index_flat(directory)
+    return added
 
 
 def publish(state_dir: Path, files: Iterable[Path]) -> list[str]:
