@@ -58,6 +58,9 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
     summary: dict[str, Any] = {"planner": "chosen" if given is None else "given", "fits": verdict.fits}
     if verdict.memory and verdict.time:
         summary |= {"worst_stage_gib": round(verdict.memory.worst.total / 2**30, 2),
+                    # what torch.cuda.max_memory_allocated should read: the rollout's memory gate compares
+                    "predicted_torch_allocated_gib": round(max(s.torch_allocated for s in verdict.memory.stages)
+                                                           / 2**30, 2),
                     "predicted_step_s": round(verdict.time.seconds, 4),
                     "predicted_mfu": round(verdict.time.mfu, 4)}
     return verdict.layout, summary
