@@ -1,0 +1,115 @@
+"""Classify a failed run: crash, hang, link or node-loss, with the evidence, first causes before consequences.
+
+Rules, in order (the first that holds wins):
+  node-loss  a node is unreachable
+  link       a monitor finding says a link went down (IB port not ACTIVE, interface not up, link_downed rose)
+  crash      a rank died without exiting (killed, segfault) or exited with its own error (not a collective
+             failure, not SIGTERM from the stop)
+  hang       a running rank's heartbeat is older than the timeout, or the monitor reported a hang
+  link       ranks exited only because their collectives failed, with no rank dead, crashed or stuck: the
+             peers' collectives timed out on the network
+Nothing holds: None (the run is healthy or finished cleanly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stepdeploy.monitor.model import Finding, Severity
+from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, RankStatus, RunStatus
+
+CRASH, HANG, LINK, NODE_LOSS = "crash", "hang", "link", "node-loss"
+NOT_A_CAUSE = (0, EXIT_COLLECTIVE, 143, None)  # 143: SIGTERM, what a stop sends
+
+
+@dataclass(frozen=True)
+class Classification:
+    kind: str
+    node: str | None
+    rank: int | None
+    evidence: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "node": self.node, "rank": self.rank, "evidence": list(self.evidence)}
+
+
+def classify(status: RunStatus, findings: list[Finding] | tuple[Finding, ...] = (),
+             heartbeat_timeout_s: float = 180.0) -> Classification | None:
+    """The failure's kind and culprit from the executor's poll and the monitor's findings."""
+    for rule in (_node_loss, _link_finding, _crash, _hang, _collective_only):
+        result = rule(status, list(findings), heartbeat_timeout_s)
+        if result is not None:
+            return _with_node_findings(result, findings)
+    return None
+
+
+def _with_node_findings(result: Classification, findings: list[Finding] | tuple[Finding, ...]) -> Classification:
+    """Add the culprit node's hardware failures (an XID 79 behind a crash) to the evidence."""
+    extra = tuple(f"monitor: {f.node} {f.subject}: {f.message}" for f in findings
+                  if f.severity is Severity.FAIL and f.node == result.node and f.kind not in ("link", "hang")
+                  and f"monitor: {f.node} {f.subject}: {f.message}" not in result.evidence)
+    return Classification(result.kind, result.node, result.rank, result.evidence + extra)
+
+
+def _reason(rank: RankStatus) -> str:
+    return rank.reason.splitlines()[0] if rank.reason else ""
+
+
+def _node_loss(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:
+    lost = [n for n in status.nodes if n.state == UNREACHABLE]
+    if not lost:
+        return None
+    return Classification(NODE_LOSS, lost[0].node, None,
+                          tuple(f"node {n.node} unreachable: {n.detail or 'no answer'}" for n in lost))
+
+
+def _link_finding(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:
+    links = [f for f in findings if f.severity is Severity.FAIL
+             and (f.kind == "link" or (f.kind == "ib_counter" and f.message.startswith("link_downed")))]
+    if not links:
+        return None
+    victims = [f"rank {r.rank} on {r.node}: exited {r.code} (collective failed)"
+               for r in status.ranks if r.state == EXITED and r.code == EXIT_COLLECTIVE]
+    return Classification(LINK, links[0].node or None, None,
+                          tuple(f"monitor: {f.node} {f.subject}: {f.message}" for f in links) + tuple(victims))
+
+
+def _crash(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:
+    died = [r for r in status.ranks if r.state == "died"]
+    failed = [r for r in status.ranks if r.state == EXITED and r.code not in NOT_A_CAUSE]
+    if not died and not failed:
+        return None
+    evidence = [f"rank {r.rank} on {r.node}: exited {r.code} ({_reason(r)})" for r in failed]
+    evidence += [f"rank {r.rank} on {r.node}: died without exiting (pid {r.pid} gone; killed or crashed), "
+                 f"last heartbeat at iteration {r.iteration}" for r in died]
+    first = failed[0] if failed else min(died, key=lambda r: (r.iteration if r.iteration is not None else -1, r.rank))
+    return Classification(CRASH, first.node, first.rank, tuple(evidence))
+
+
+def _hang(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:
+    stuck = [r for r in status.ranks if r.state == RUNNING and r.heartbeat_age_s is not None
+             and r.heartbeat_age_s > timeout]
+    reported = [f for f in findings if f.kind == "hang"]
+    if not stuck and not reported:
+        return None
+    evidence = tuple(f"rank {r.rank} on {r.node}: no heartbeat for {r.heartbeat_age_s:.0f} s (timeout {timeout:.0f} s),"
+                     f" at iteration {r.iteration}" for r in stuck)
+    evidence += tuple(f"monitor: {f.node} {f.subject}: {f.message}" for f in reported)
+    if stuck:  # the rank that stopped first holds the others in their collectives: oldest iteration, oldest beat
+        first = min(stuck, key=lambda r: (r.iteration if r.iteration is not None else -1, -(r.heartbeat_age_s or 0)))
+        return Classification(HANG, first.node, first.rank, evidence)
+    rank = int(reported[0].subject.split()[-1]) if reported[0].subject.startswith("rank ") else None
+    return Classification(HANG, reported[0].node or None, rank, evidence)
+
+
+def _collective_only(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:
+    victims = [r for r in status.ranks if r.state == EXITED and r.code == EXIT_COLLECTIVE]
+    if not victims:
+        return None
+    evidence = tuple(f"rank {r.rank} on {r.node}: exited {r.code} ({_reason(r) or 'collective failed'})"
+                     for r in victims)
+    nodes = {r.node for r in victims}
+    node = next(iter(nodes)) if len(nodes) == 1 else None
+    return Classification(LINK, node, None,
+                          ("collectives failed with no rank dead, crashed or stuck: the network between the "
+                           "nodes", *evidence))
