@@ -15,8 +15,7 @@ from rich.console import Console
 from stepdeploy.cli.output import emit_json, info, out
 from stepdeploy.errors import BadInput
 from stepdeploy.ledger import Ledger
-from stepdeploy.report import read_run, renderables, summarise, write_report
-from stepdeploy.report.summary import RunData
+from stepdeploy.report.summary import RunData, read_run, summarise
 
 LEDGER_FILE = "ledger.sqlite"
 TABLE_WIDTH = 150  # tables stay readable when stdout is a pipe (rich assumes 80 columns there)
@@ -29,6 +28,8 @@ def report(
 ) -> None:
     """Summarise a rollout run: stages, gate verdicts, key figures; optionally an HTML report with plots."""
     data = load(run)
+    from stepdeploy.report import renderables, write_report  # matplotlib: loaded only to make a report
+
     summary = summarise(data)
     if json_out:
         emit_json(summary.to_json())

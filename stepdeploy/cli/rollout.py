@@ -17,10 +17,8 @@ from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory import load_cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
 from stepdeploy.rollout import gates
-from stepdeploy.rollout.attempt import StageFailed, executor_for
+from stepdeploy.rollout.config import RolloutConfig, StageFailed
 from stepdeploy.rollout.ladder import parse_stages, scale_ladder, target_rung
-from stepdeploy.rollout.runner import Rollout, RolloutConfig
-from stepdeploy.rollout.view import PlainReporter, render
 
 app = typer.Typer(help="Staged rollout: warmup, scaling ladder, soak — gated, resumable, recorded in a ledger.",
                   no_args_is_help=True)
@@ -95,6 +93,10 @@ def resume_cmd(
 
 
 def _drive(run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig) -> None:
+    # The controller's machinery (SSH, rendering) loads only when a rollout really runs: other commands stay fast.
+    from stepdeploy.rollout.runner import Rollout
+    from stepdeploy.rollout.view import PlainReporter, render
+
     rollout = Rollout(run_dir, ledger, run_id, config)
     try:
         if err.is_terminal:
@@ -163,6 +165,8 @@ def stop_cmd(run_dir: Path = RUN) -> None:
     ledger.event(run_id, "stop", "stop requested")
     config = RolloutConfig.from_json(ledger.run(run_id)["config"])
     cluster = load_cluster(config.inventory)
+    from stepdeploy.rollout.attempt import executor_for
+
     left = []
     for attempt in ledger.attempts(run_id):
         if attempt["status"] == "running":

@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -22,8 +22,10 @@ from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.errors import EXIT_FAILED, EXIT_UNREACHABLE, BadInput
 from stepdeploy.inventory import load_cluster
 from stepdeploy.remote.executor import UNREACHABLE, LogCursor, NodeResult, RunStatus
-from stepdeploy.remote.fabric_executor import FabricExecutor, targets_from
 from stepdeploy.remote.ssh import Endpoint
+
+if TYPE_CHECKING:
+    from stepdeploy.remote.fabric_executor import FabricExecutor
 
 app = typer.Typer(help="Launch, follow and stop a rendered run on its nodes (SSH).", no_args_is_help=True)
 RUN = typer.Argument(..., help="Run directory written by `stepdeploy render`.")
@@ -40,6 +42,8 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
 
 
 def executor_for(run_dir: Path, inventory: str | None) -> FabricExecutor:
+    from stepdeploy.remote.fabric_executor import FabricExecutor, targets_from  # SSH stack: only when used
+
     manifest = read_manifest(run_dir)
     cluster = load_cluster(inventory or manifest["inputs"]["inventory"]["path"])
     endpoints = {node.name: Endpoint(host=node.address, user=node.ssh.user or getpass.getuser(),

@@ -10,11 +10,12 @@ import getpass
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-from fabric import Config, Connection, ThreadingGroup
-from paramiko import RejectPolicy
+from typing import TYPE_CHECKING
 
 from stepdeploy.inventory.model import Node
+
+if TYPE_CHECKING:  # Fabric/paramiko take ~0.5 s to import: loaded when a connection is made
+    from fabric import Connection, ThreadingGroup
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Endpoint:
 
 
 def connection(ep: Endpoint, *, connect_timeout: int = 10) -> Connection:
+    from fabric import Config, Connection
+
     kwargs: dict = {"look_for_keys": ep.key_file is None, "allow_agent": ep.key_file is None}
     if ep.key_file is not None:
         kwargs["key_filename"] = str(ep.key_file)
@@ -42,6 +45,8 @@ def connection(ep: Endpoint, *, connect_timeout: int = 10) -> Connection:
 
 def verify_host_keys(conn: Connection, known_hosts: Path | None) -> None:
     """Replace Fabric's AutoAddPolicy: only keys in `known_hosts` (or the user's own) are accepted."""
+    from paramiko import RejectPolicy
+
     conn.client.set_missing_host_key_policy(RejectPolicy())
     if known_hosts is not None:
         conn.client.load_host_keys(str(known_hosts))
@@ -51,6 +56,8 @@ def verify_host_keys(conn: Connection, known_hosts: Path | None) -> None:
 
 def group(endpoints: Iterable[Endpoint], *, connect_timeout: int = 10) -> ThreadingGroup:
     """A Fabric ThreadingGroup whose members all verify host keys."""
+    from fabric import ThreadingGroup
+
     return ThreadingGroup.from_connections([connection(ep, connect_timeout=connect_timeout)
                                             for ep in endpoints])
 

@@ -6,8 +6,9 @@
     write_report(data, summary, Path("report.html"))             # HTML + PNGs next to it
 """
 
-from stepdeploy.report.html import render_html, write_report
-from stepdeploy.report.plots import Plot, write_plots
+from importlib import import_module
+from typing import Any
+
 from stepdeploy.report.summary import (
     GateVerdict,
     KeyFigures,
@@ -18,7 +19,16 @@ from stepdeploy.report.summary import (
     read_run,
     summarise,
 )
-from stepdeploy.report.terminal import renderables
+
+# The renderers load matplotlib (about 2 s): imported on first use, so reading a summary stays fast.
+_LAZY = {"render_html": "html", "write_report": "html", "Plot": "plots", "write_plots": "plots",
+         "renderables": "terminal"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"stepdeploy.report.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'stepdeploy.report' has no attribute {name!r}")
 
 __all__ = [
     "GateVerdict",

@@ -14,7 +14,6 @@ from typing import Any
 
 from stepdeploy import __version__
 from stepdeploy.catalog import load_hardware, load_model
-from stepdeploy.errors import StepdeployError
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.remote.executor import RunStatus
@@ -23,10 +22,6 @@ from stepdeploy.remote.ssh import endpoint_for
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
 from stepdeploy.render.build import choose_layout, write_run
 from stepdeploy.rollout.ladder import Rung, sub_cluster
-
-
-class StageFailed(StepdeployError):
-    """A gate failed or a stage could not complete; the rollout stops there (and can be resumed)."""
 
 
 @dataclass

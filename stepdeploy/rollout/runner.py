@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,47 +16,17 @@ from stepdeploy.render import RenderOptions
 from stepdeploy.rollout import gates, soak
 from stepdeploy.rollout.attempt import (
     Live,
-    StageFailed,
     executor_for,
     follow,
     metric_rows,
     read_metrics,
     render_attempt,
 )
+from stepdeploy.rollout.config import RolloutConfig, StageFailed
 from stepdeploy.rollout.ladder import Rung, scale_ladder, target_rung
 
 METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mem_allocated_gib",
                 "mem_reserved_gib", "mem_peak_gib", "mfu")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    inventory: str
-    model: str
-    stages: tuple[str, ...]
-    layout: str | None = None
-    proxy_model: str | None = None
-    warmup_iterations: int = 10
-    scale_iterations: int = 30
-    soak_duration_s: float = 72 * 3600.0
-    checkpoint_interval: int = 20
-    soak_max_restarts: int = 3
-    attempt_timeout_s: float = 1800.0
-    pg_timeout_s: int = 60
-    poll_interval_s: float = 2.0
-    seq_length: int | None = None
-    global_batch_size: int | None = None
-    thresholds: gates.Thresholds = field(default_factory=gates.Thresholds)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RolloutConfig:
-        data = dict(data)
-        data["stages"] = tuple(data["stages"])
-        data["thresholds"] = gates.Thresholds(**data.get("thresholds", {}))
-        return cls(**data)
 
 
 class Rollout:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stepdeploy.rollout import gates
-from stepdeploy.rollout.attempt import StageFailed, executor_for, render_attempt
+from stepdeploy.rollout.attempt import executor_for, render_attempt
+from stepdeploy.rollout.config import StageFailed
 from stepdeploy.rollout.ladder import target_rung
 
 if TYPE_CHECKING:

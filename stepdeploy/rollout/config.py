@@ -1,0 +1,46 @@
+"""A rollout's configuration (stored as JSON in the ledger) and the error that stops it at a stage.
+
+Kept free of heavy imports: the CLI reads it without loading the SSH and rendering machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stepdeploy.errors import StepdeployError
+from stepdeploy.rollout import gates
+
+
+class StageFailed(StepdeployError):
+    """A gate failed or a stage could not complete; the rollout stops there (and can be resumed)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    inventory: str
+    model: str
+    stages: tuple[str, ...]
+    layout: str | None = None
+    proxy_model: str | None = None
+    warmup_iterations: int = 10
+    scale_iterations: int = 30
+    soak_duration_s: float = 72 * 3600.0
+    checkpoint_interval: int = 20
+    soak_max_restarts: int = 3
+    attempt_timeout_s: float = 1800.0
+    pg_timeout_s: int = 60
+    poll_interval_s: float = 2.0
+    seq_length: int | None = None
+    global_batch_size: int | None = None
+    thresholds: gates.Thresholds = field(default_factory=gates.Thresholds)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RolloutConfig:
+        data = dict(data)
+        data["stages"] = tuple(data["stages"])
+        data["thresholds"] = gates.Thresholds(**data.get("thresholds", {}))
+        return cls(**data)
