@@ -20,6 +20,7 @@ from stepdeploy.sim.cluster import SimConfig
 
 # The simulated nodes share this machine's cores: two ranks cannot scale like two GPUs, so the demo's
 # scaling gate is set for that (a real cluster keeps the default 0.7); small sequences keep it quick.
+SEED_INVENTORY = Path(__file__).resolve().parents[2] / "inventory" / "dgx.ini"
 DEMO_ROLLOUT = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "5", "--scale-iterations", "10",
                 "--checkpoint-interval", "5", "--min-scaling-efficiency", "0.1", "--pg-timeout", "30"]
 
@@ -39,7 +40,7 @@ def demo(
         ["inventory", "show", inv],
         ["provision", inv],
         ["preflight", inv, "--min-free-gib", "1"],
-        ["plan", "--model", "step-3.5-flash", "-i", "inventory/dgx.ini", "--top", "3"],
+        ["plan", "--model", "step-3.5-flash", "-i", str(SEED_INVENTORY), "--top", "3"],
         ["rollout", "run", "-i", inv, "--model", "tiny-moe", "--soak-duration", soak, *DEMO_ROLLOUT,
          "--run-dir", str(run_dir)],
         ["report", str(run_dir), "--html", str(run_dir / "report.html")],
