@@ -84,12 +84,19 @@ def locked(state_dir: Path) -> Iterator[None]:
 
 
 def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks), or None if there is no such process."""
+    """Field 22 of /proc/PID/stat (start time in clock ticks), or None if there is no such live process.
+
+    A zombie counts as gone: it runs nothing, and its parent (not always us: a process whose `sim up` has
+    exited belongs to init, which need not reap it promptly in a container) may keep it for a while.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
 
 
 def is_ours(pid: int | None, start: int | None) -> bool:
