@@ -60,3 +60,22 @@ def test_written_inventory_parses_into_the_cluster_model(tmp_path: Path) -> None
     assert node.ssh.known_hosts_file == cfg.known_hosts
     assert node.gpus_per_node == 0 and node.fabric == "ethernet" and node.train_iface == "eth0"
     assert cluster.profile is not None and cluster.profile.name == "sim-cpu"
+
+
+def test_a_zombie_is_not_a_live_process() -> None:
+    """sim down must not wait for an exited node process that nobody has reaped yet (it runs nothing)."""
+    import os
+    import subprocess
+    import time
+
+    from stepdeploy.sim.state import is_ours, process_start_time
+
+    child = subprocess.Popen(["sleep", "0.5"])
+    start = process_start_time(child.pid)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and process_start_time(child.pid) is not None:
+        time.sleep(0.01)  # once sleep exits, unreaped, it stays a zombie
+    assert start is not None and process_start_time(child.pid) is None and not is_ours(child.pid, start)
+    assert os.path.exists(f"/proc/{child.pid}")  # still there as a zombie until we reap it
+    child.wait()
+    assert process_start_time(os.getpid()) is not None
