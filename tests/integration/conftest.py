@@ -8,6 +8,7 @@ same for a normal user).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,6 +55,20 @@ class Cluster:
     @property
     def endpoints(self) -> list[Endpoint]:
         return [self.endpoint(n.name) for n in self.state.nodes]
+
+
+@contextlib.contextmanager
+def private_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, subnet: str, http_port: int,
+                    nodes: int = 2) -> Iterator[SimConfig]:
+    """A cluster of a test module's own (tests that change nodes must not share one), torn down and checked."""
+    require_sim()
+    cfg = SimConfig(name=name, subnet=subnet, http_port=http_port, state_dir=tmp_path_factory.mktemp("sim") / name)
+    try:
+        up(cfg, nodes)
+        yield cfg
+    finally:
+        report = down(cfg)
+        assert report.leftovers == [], f"sim down left: {report.leftovers}"
 
 
 @pytest.fixture(scope="session")

@@ -19,24 +19,17 @@ from stepdeploy.remote.executor import LogCursor, RunStatus
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
 from stepdeploy.render.build import build, write_run
-from stepdeploy.sim.cluster import SimConfig, down, up
+from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import require_sim
+from .conftest import private_cluster
 
 PG_TIMEOUT = 15
 
 
 @pytest.fixture(scope="module")
 def sdrun(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimConfig]:
-    require_sim()
-    cfg = SimConfig(name="sdrun", subnet="10.83.0.0/24", http_port=8085,
-                    state_dir=tmp_path_factory.mktemp("sim") / "sdrun")
-    try:
-        up(cfg, 2)
+    with private_cluster(tmp_path_factory, "sdrun", "10.83.0.0/24", 8085) as cfg:
         yield cfg
-    finally:
-        report = down(cfg)
-        assert report.leftovers == [], f"sim down left: {report.leftovers}"
 
 
 def rendered(cfg: SimConfig, tmp_path: Path, run_id: str, iterations: int, model: str = "tiny-dense") -> Path:

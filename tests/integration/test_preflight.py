@@ -19,9 +19,9 @@ from stepdeploy.preflight import runner
 from stepdeploy.preflight.model import Report, Status
 from stepdeploy.remote.ssh import Endpoint, connection
 from stepdeploy.sim import repo
-from stepdeploy.sim.cluster import SimConfig, down, up
+from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import require_sim
+from .conftest import private_cluster
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "h200-x2"
 STANDIN_DIR = "/usr/local/share/stepdeploy-nvidia-smi"
@@ -31,15 +31,8 @@ SMI_FILES = ("nvidia-smi-q.xml", "nvidia-smi-topo-m.txt", "nvidia-smi-L.txt", "n
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimConfig]:
-    require_sim()
-    cfg = SimConfig(name="sdpre", subnet="10.82.0.0/24", http_port=8084,
-                    state_dir=tmp_path_factory.mktemp("simpre") / "sdpre")
-    try:
-        up(cfg, 2)
+    with private_cluster(tmp_path_factory, "sdpre", "10.82.0.0/24", 8084) as cfg:
         yield cfg
-    finally:
-        report = down(cfg)
-        assert report.leftovers == [], f"sim down left: {report.leftovers}"
 
 
 def _endpoint(cfg: SimConfig, index: int) -> Endpoint:

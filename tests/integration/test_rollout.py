@@ -17,9 +17,9 @@ import pytest
 
 from stepdeploy.ledger import Ledger
 from stepdeploy.remote.ssh import Endpoint, connection
-from stepdeploy.sim.cluster import SimConfig, down, up
+from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import require_sim
+from .conftest import private_cluster
 
 # The simulated nodes share this machine's 2 cores, so two ranks cannot scale like two GPUs would: the
 # scaling-efficiency gate is set for that environment here (its default, 0.7, is for real hardware).
@@ -29,14 +29,8 @@ FAST = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "4", "--scale-iterat
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimConfig]:
-    require_sim()
-    cfg = SimConfig(name="sdroll", subnet="10.84.0.0/24", http_port=8086,
-                    state_dir=tmp_path_factory.mktemp("sim") / "sdroll")
-    try:
-        up(cfg, 2)
+    with private_cluster(tmp_path_factory, "sdroll", "10.84.0.0/24", 8086) as cfg:
         yield cfg
-    finally:
-        assert down(cfg).leftovers == []
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
