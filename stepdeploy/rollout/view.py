@@ -37,6 +37,15 @@ def figures(live: Live) -> str:
     return ", ".join(parts) or "no step yet"
 
 
+def rank_figures(live: Live, rank: int) -> tuple[str, str]:
+    """(last step time, GPU memory) of a rank from the latest metrics line: every rank's step time is in it;
+    memory is rank 0's (the engines record it there; CPU runs have none)."""
+    steps = live.last.get("rank_step_time_s") or []
+    step = f"{steps[rank]:.3f} s" if rank < len(steps) and steps[rank] is not None else ""
+    memory = live.last.get("mem_allocated_gib") if rank == 0 else None
+    return step, "" if memory is None else f"{memory:.1f} GiB"
+
+
 def render(ledger: Ledger, run_id: str, live: Live, now: float) -> Group:
     stages = Table(box=None, pad_edge=False, title=f"rollout {run_id}", title_justify="left")
     for col in ("stage", "status", "detail"):
@@ -47,14 +56,14 @@ def render(ledger: Ledger, run_id: str, live: Live, now: float) -> Group:
             detail = f"{live.rung}: {progress_text(live, now)} — {figures(live)}"
         stages.add_row(s.name, Text(s.status, style=_STYLE.get(s.status, "")), detail or (s.reason or ""))
     nodes = Table(box=None, pad_edge=False)
-    for col in ("node", "state", "rank", "iteration", "heartbeat age"):
+    for col in ("node", "state", "rank", "iteration", "heartbeat age", "last step", "GPU memory"):
         nodes.add_column(col)
     for n in live.status.nodes if live.status else ():
         for r in n.ranks or ():
             age = "" if r.heartbeat_age_s is None else f"{r.heartbeat_age_s:.0f} s"
-            nodes.add_row(n.node, n.state, str(r.rank), str(r.iteration or ""), age)
+            nodes.add_row(n.node, n.state, str(r.rank), str(r.iteration or ""), age, *rank_figures(live, r.rank))
         if not n.ranks:
-            nodes.add_row(n.node, n.state, "", "", "")
+            nodes.add_row(n.node, n.state, "", "", "", "", "")
     feed = [Text(f"· {e['message']}") for e in ledger.events(run_id)[-6:]]
     return Group(stages, nodes, *feed)
 

@@ -87,3 +87,30 @@ def test_completed_gate_names_the_culprit() -> None:
     v = gates.completed(False, ["node node2 rank 1: died without exiting", "node node1 rank 0: exited 3"])
     assert not v.passed and v.reason == "node node2 rank 1: died without exiting"
     assert gates.completed(True, []).passed
+
+
+def test_live_view_shows_per_rank_step_time_and_gpu_memory(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from stepdeploy.ledger import Ledger
+    from stepdeploy.remote.executor import NodeStatus, RankStatus, RunStatus
+    from stepdeploy.rollout.attempt import Live
+    from stepdeploy.rollout.view import render
+
+    led = Ledger(tmp_path / "ledger.sqlite")
+    led.create_run("r", {}, ["warmup"])
+    led.set_stage("r", "warmup", "running")
+    live = Live(stage="warmup", rung="target", iteration=7, total=10, started=0.0,
+                last={"loss": 5.25, "tokens_per_s": 1234.0, "step_time_s": 0.5, "rank_step_time_s": [0.5, 0.625],
+                      "mem_allocated_gib": 20.75},
+                status=RunStatus((NodeStatus("node1", "running", None, (RankStatus(0, "node1", 10, "running",
+                                                                                       iteration=7),)),
+                                  NodeStatus("node2", "running", None, (RankStatus(1, "node2", 11, "running",
+                                                                                       iteration=7),)))))
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(render(led, "r", live, now=3.0))
+    text = buf.getvalue()
+    assert "target: iteration 7/10 — loss 5.2500, 1,234 tok/s, step 0.500 s" in text
+    assert "0.625 s" in text and "20.8 GiB" in text
