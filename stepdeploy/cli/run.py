@@ -9,7 +9,6 @@ Exit codes: 0 ok, 1 the run failed / a node could not be stopped cleanly, 2 bad 
 
 from __future__ import annotations
 
-import getpass
 import json
 import time
 from dataclasses import asdict
@@ -22,7 +21,6 @@ from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.errors import EXIT_FAILED, EXIT_UNREACHABLE, BadInput
 from stepdeploy.inventory import load_cluster
 from stepdeploy.remote.executor import UNREACHABLE, LogCursor, NodeResult, RunStatus
-from stepdeploy.remote.ssh import Endpoint
 
 if TYPE_CHECKING:
     from stepdeploy.remote.fabric_executor import FabricExecutor
@@ -42,18 +40,14 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
 
 
 def executor_for(run_dir: Path, inventory: str | None) -> FabricExecutor:
-    from stepdeploy.remote.fabric_executor import FabricExecutor, targets_from  # SSH stack: only when used
+    from stepdeploy.remote.fabric_executor import executor_for_manifest  # SSH stack: only when used
 
     manifest = read_manifest(run_dir)
     cluster = load_cluster(inventory or manifest["inputs"]["inventory"]["path"])
-    endpoints = {node.name: Endpoint(host=node.address, user=node.ssh.user or getpass.getuser(),
-                                     port=node.ssh.port, key_file=node.ssh.private_key_file,
-                                     known_hosts=node.ssh.known_hosts_file) for node in cluster.nodes}
     try:
-        targets = targets_from(manifest, endpoints)
+        return executor_for_manifest(manifest, cluster)
     except KeyError as exc:
         raise BadInput(f"{exc.args[0]}; the run was rendered for other nodes") from None
-    return FabricExecutor(manifest["run_id"], manifest["run_dir"], targets)
 
 
 def _report(results: list[NodeResult], verb: str) -> None:

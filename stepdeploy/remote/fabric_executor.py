@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from fabric import Connection
 
+from stepdeploy.inventory.model import Cluster
 from stepdeploy.remote.executor import (
     EXITED,
     RUNNING,
@@ -38,7 +39,7 @@ from stepdeploy.remote.executor import (
     RunStatus,
     StopResult,
 )
-from stepdeploy.remote.ssh import Endpoint, connection
+from stepdeploy.remote.ssh import Endpoint, connection, endpoint_for
 
 T = TypeVar("T")
 PROBE = resources.files("stepdeploy.remote").joinpath("node_probe.py").read_text()
@@ -232,12 +233,13 @@ class FabricExecutor:
 
         return self._each(one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
 
-    def run_command(self, command: str) -> list[CommandResult]:
+    def run_command(self, command: str, targets: list[Target] | None = None) -> list[CommandResult]:
         def one(target: Target) -> CommandResult:
             res = self._sh(target, f"cd -- {q(self.run_dir)} && {command}")
             return CommandResult(target.name, res.ok, res.exited, res.stdout, res.stderr)
 
-        return self._each(one, lambda t, e: CommandResult(t.name, False, None, stderr=f"unreachable: {_error(e)}"))
+        return self._each(one, lambda t, e: CommandResult(t.name, False, None, stderr=f"unreachable: {_error(e)}"),
+                          targets)
 
 
 def _tarball(local_run: Path) -> bytes:
@@ -264,4 +266,11 @@ def targets_from(manifest: dict[str, Any], endpoints: dict[str, Endpoint]) -> li
     return [Target(n["name"], endpoints[n["name"]], n["dir"]) for n in manifest["nodes"]]
 
 
-__all__ = ["EXITED", "RUNNING", "FabricExecutor", "Target", "targets_from"]
+def executor_for_manifest(manifest: dict[str, Any], cluster: Cluster) -> FabricExecutor:
+    """The executor of a rendered run, reaching its nodes as the inventory says (KeyError: a node the
+    inventory lacks)."""
+    endpoints = {node.name: endpoint_for(node) for node in cluster.nodes}
+    return FabricExecutor(manifest["run_id"], manifest["run_dir"], targets_from(manifest, endpoints))
+
+
+__all__ = ["EXITED", "RUNNING", "FabricExecutor", "Target", "executor_for_manifest", "targets_from"]

@@ -17,8 +17,7 @@ from stepdeploy.catalog import load_hardware, load_model
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.remote.executor import RunStatus
-from stepdeploy.remote.fabric_executor import FabricExecutor, targets_from
-from stepdeploy.remote.ssh import endpoint_for
+from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_manifest
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
 from stepdeploy.render.build import choose_layout, write_run
 from stepdeploy.rollout.ladder import Rung, sub_cluster
@@ -62,14 +61,12 @@ def render_attempt(cluster: Cluster, rung: Rung, opts: RenderOptions, layout: st
 
 
 def executor_for(cluster: Cluster, local_run: Path) -> FabricExecutor:
-    manifest = json.loads((local_run / "manifest.json").read_text())
-    endpoints = {node.name: endpoint_for(node) for node in cluster.nodes}
-    return FabricExecutor(manifest["run_id"], manifest["run_dir"], targets_from(manifest, endpoints))
+    return executor_for_manifest(json.loads((local_run / "manifest.json").read_text()), cluster)
 
 
 def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:
-    """The last metrics line rank 0 wrote (on the first node), or {} before the first step."""
-    for result in executor.run_command("tail -n 1 out/metrics.jsonl 2>/dev/null")[:1]:
+    """The last metrics line rank 0 wrote (on the first node only: the others have none), or {}."""
+    for result in executor.run_command("tail -n 1 out/metrics.jsonl 2>/dev/null", executor.targets[:1]):
         try:
             return json.loads(result.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
@@ -80,7 +77,7 @@ def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:
 def read_metrics(fetched: Path) -> list[dict[str, Any]]:
     """Every metrics line fetched from the nodes (rank 0 writes them; its node's copy is the one)."""
     lines: list[dict[str, Any]] = []
-    for path in sorted(fetched.glob("*/out/metrics.jsonl")) + sorted(fetched.glob("**/out/metrics.jsonl")):
+    for path in sorted(fetched.glob("**/out/metrics.jsonl")):
         for line in path.read_text().splitlines():
             try:
                 lines.append(json.loads(line))

@@ -13,6 +13,7 @@ from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
+from stepdeploy.report.summary import METRIC_NAMES  # the names the report plots
 from stepdeploy.rollout import gates, soak
 from stepdeploy.rollout.attempt import (
     Live,
@@ -24,9 +25,6 @@ from stepdeploy.rollout.attempt import (
 )
 from stepdeploy.rollout.config import RolloutConfig, StageFailed
 from stepdeploy.rollout.ladder import Rung, scale_ladder, target_rung
-
-METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mem_allocated_gib",
-                "mem_reserved_gib", "mem_peak_gib", "mfu")
 
 
 class Rollout:
