@@ -50,6 +50,10 @@ def run_cmd(
     seq: int | None = typer.Option(None, "--seq", min=1, help="Sequence length (default: each model's)."),
     gbs: int | None = typer.Option(None, "--gbs", min=1, help="Global batch size (default: each model's)."),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Default: runs/<model>-<UTC time>."),
+    executor: str | None = typer.Option(None, "--executor", help="fabric (SSH) or slurm (default: the "
+                                        "inventory's stepdeploy_executor, else fabric)."),
+    inject: list[str] = typer.Option([], "--inject", help="Soak fault, repeatable: kill:rank=last@10m, "
+                                     "hang:rank=0@20m, link-down:node=2@30m,for=90s, node-loss:node=2@40m."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print every stage, rung and gate; start nothing."),
 ) -> None:
     """Start a rollout. Exit 0 all stages passed, 1 a gate failed (resume with `rollout resume RUN`)."""
@@ -57,6 +61,7 @@ def run_cmd(
                            layout=layout, warmup_iterations=warmup_iterations, scale_iterations=scale_iterations,
                            soak_duration_s=parse_duration(soak_duration), checkpoint_interval=checkpoint_interval,
                            pg_timeout_s=pg_timeout, seq_length=seq, global_batch_size=gbs,
+                           executor=executor, inject=tuple(inject),
                            thresholds=gates.Thresholds(min_scaling_efficiency=min_scaling_efficiency,
                                                        max_step_time_s=max_step_time))
     run_id = (run_dir.name if run_dir else f"{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")

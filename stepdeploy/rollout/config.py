@@ -33,6 +33,9 @@ class RolloutConfig:
     poll_interval_s: float = 2.0
     seq_length: int | None = None
     global_batch_size: int | None = None
+    executor: str | None = None  # fabric | slurm; None: the inventory's `stepdeploy_executor`, else fabric
+    inject: tuple[str, ...] = ()  # soak fault injections, e.g. "kill:rank=last@10m" (rollout/inject.py)
+    monitor_interval_s: float = 5.0  # soak: the monitors' collection period
     thresholds: gates.Thresholds = field(default_factory=gates.Thresholds)
 
     def to_json(self) -> dict[str, Any]:
@@ -42,5 +45,6 @@ class RolloutConfig:
     def from_json(cls, data: dict[str, Any]) -> RolloutConfig:
         data = dict(data)
         data["stages"] = tuple(data["stages"])
+        data["inject"] = tuple(data.get("inject", ()))
         data["thresholds"] = gates.Thresholds(**data.get("thresholds", {}))
         return cls(**data)
