@@ -4,8 +4,9 @@ saved with dist-checkpointing. Standard library + torch + megatron-core only (sh
 
 Without TransformerEngine, stock megatron-core's local layer spec uses an unfused attention (half the speed,
 2.3x the memory of SDPA: FACTS); this engine puts torch SDPA in its place (flash or cuDNN kernels, causal,
-GQA). Context parallelism needs TE's attention and is refused at render time; experts are SequentialMLP
-(grouped GEMM needs TE). Checkpoints need a directory that all ranks share (one node, or a shared FS).
+GQA), or flash-attn's kernel when flash-attn is importable. Context parallelism needs TE's attention and is
+refused at render time; MoE experts run on torch._grouped_mm (experts_grouped.py) instead of SequentialMLP's loop.
+Checkpoints need a directory that all ranks share (one node, or a shared FS).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
+import experts_grouped
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,6 +44,9 @@ def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         # Fusions that need apex or TransformerEngine are off; torch SDPA replaces the unfused attention.
         "gradient_accumulation_fusion": False, "bias_activation_fusion": False, "masked_softmax_fusion": False,
         "persist_layer_norm": False, "apply_rope_fusion": False,
+        # megatron-core's own fused vocab-parallel cross-entropy (no TE needed): measured on one H200, dense
+        # proxy MBS 4: 59.4 % MFU against 58.3 % unfused, +1 GiB peak (docs/benchmarks.md, 2026-11-29)
+        "cross_entropy_loss_fusion": p.get("cross_entropy_fusion", True), "cross_entropy_fusion_impl": "native",
     }
     if p["first_stage_layers"] is not None:
         kwargs["num_layers_in_first_pipeline_stage"] = p["first_stage_layers"]
@@ -77,11 +82,25 @@ def parallel_sizes(cfg: dict[str, Any]) -> dict[str, int]:
             "expert_tensor_parallel_size": p["etp"]}
 
 
+def flash_attn_func() -> Any:
+    """flash-attn's flash_attn_func when the package imports (it is optional), else None."""
+    try:
+        from flash_attn import flash_attn_func as func
+    except ImportError:
+        return None
+    return func
+
+
 def sdpa_core_attention() -> type:
-    """A core-attention module with DotProductAttention's interface that calls torch SDPA."""
+    """A core-attention module with DotProductAttention's interface: flash-attn's kernel when flash-attn is
+    importable (bf16/fp16), otherwise torch SDPA (which picks its own flash or cuDNN kernel on Hopper)."""
     from megatron.core.transformer.module import MegatronModule
 
+    flash = flash_attn_func()
+
     class SdpaAttention(MegatronModule):
+        uses_flash_attn = flash is not None
+
         def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str = "self",
                      attention_dropout: float | None = None, softmax_scale: float | None = None,
                      **_ignored: Any) -> None:
@@ -93,6 +112,10 @@ def sdpa_core_attention() -> type:
                     attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
                     **_extra: Any) -> torch.Tensor:
             seq, batch = query.shape[0], query.shape[1]
+            if flash is not None and query.dtype in (torch.bfloat16, torch.float16):
+                q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [s, b, n, d] -> [b, s, n, d]
+                out = flash(q, k, v, softmax_scale=self.softmax_scale, causal=True)  # GQA: fewer k/v heads
+                return out.transpose(0, 1).reshape(seq, batch, -1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                                  enable_gqa=k.shape[1] != q.shape[1])
@@ -101,14 +124,23 @@ def sdpa_core_attention() -> type:
     return SdpaAttention
 
 
-def layer_specs(config: Any, normalization: str) -> Any:
-    """megatron-core's local (no-TE) decoder block spec with SDPA as every layer's core attention."""
+def layer_specs(config: Any, normalization: str, experts: str = "grouped_mm") -> Any:
+    """megatron-core's local (no-TE) decoder block spec with SDPA as every layer's core attention, and MoE
+    experts on torch._grouped_mm (experts_grouped.py) unless `experts` is "sequential" or it cannot run."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
     attention = sdpa_core_attention()
     for spec in block.layer_specs:
         spec.submodules.self_attention.submodules.core_attention = attention
+    if config.num_moe_experts:
+        grouped = experts.startswith("grouped_mm")  # grouped_mm (compiled elementwise), grouped_mm_eager
+        reason = experts_grouped.unsupported_reason(config) if grouped else f"workload.json: {experts}"
+        if reason is None:
+            experts_grouped.ELEMENTWISE = "eager" if experts == "grouped_mm_eager" else "compile"
+            experts_grouped.use_in_block_spec(block, config)
+        chosen = f"torch._grouped_mm, {experts_grouped.ELEMENTWISE} elementwise" if reason is None else None
+        log(dist.get_rank() if dist.is_initialized() else 0, f"MoE experts: {chosen or f'SequentialMLP ({reason})'}")
     return block
 
 
@@ -125,7 +157,8 @@ def build_model(cfg: dict[str, Any], config: Any, pre_process: bool = True, post
 
     _define_missing_te_names()
     m = cfg["model"]
-    return GPTModel(config=config, transformer_layer_spec=layer_specs(config, m["normalization"]),
+    return GPTModel(config=config, transformer_layer_spec=layer_specs(config, m["normalization"],
+                                                                   cfg["parallel"].get("experts", "grouped_mm")),
                     vocab_size=m["vocab_size"], max_sequence_length=m["max_position_embeddings"],
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
@@ -146,6 +179,12 @@ def token_pool(vocab: int, seed: int, seq: int, mbs: int, dp_rank: int) -> list[
     return list(tokens.view(POOL, mbs, seq + 1))
 
 
+def batch_index(iteration: int, micro: int, micro_batches: int) -> int:
+    """Which pooled micro-batch iteration `iteration` trains on as its `micro`-th: a function of the iteration
+    alone, so a run resumed from a checkpoint sees the data the uninterrupted run would have seen."""
+    return (iteration * micro_batches + micro) % POOL
+
+
 def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -162,13 +201,15 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     model_parallel_cuda_manual_seed(t["seed"])
     dp = ps.get_data_parallel_world_size()
     micro_batches = gbs // (mbs * dp)
-    config = TransformerConfig(**transformer_config_kwargs(cfg))
+    config = TransformerConfig(**(transformer_config_kwargs(cfg) | config_overrides(rank)))
+    trace = MemoryTrace(out_dir, rank)
     model = build_model(cfg, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()).cuda()
     model = Float16Module(config, model)
     p = cfg["parallel"]
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=p["overlap_grad_reduce"],
                                                use_distributed_optimizer=p["distributed_optimizer"])
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    trace.mark("model")
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     if p["overlap_grad_reduce"]:
@@ -176,18 +217,17 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=t["lr"], weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, bf16=True,
                         use_distributed_optimizer=p["distributed_optimizer"], clip_grad=1.0), [model])
+    trace.mark("optimizer")
     params = sum(q.numel() for q in model.parameters())
+    attention = "flash-attn" if flash_attn_func() is not None else "torch SDPA"
     log(rank, f"megatron engine: {params:,} parameters on this rank, world {world}, DP {dp}, "
-              f"{micro_batches} micro-batch(es) of {mbs}x{seq}, layout {p}")
+              f"{micro_batches} micro-batch(es) of {mbs}x{seq}, attention {attention}, layout {p}")
     pool = [b.cuda() for b in token_pool(cfg["model"]["vocab_size"], t["seed"], seq, mbs, ps.get_data_parallel_rank())]
     positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(mbs, -1)
-    step_of = {"iteration": 0}
 
-    def batches():
-        count = 0
-        while True:
-            tokens = pool[(step_of["iteration"] * micro_batches + count) % POOL]
-            count += 1
+    def batches(iteration: int) -> Any:
+        for micro in range(micro_batches):
+            tokens = pool[batch_index(iteration, micro, micro_batches)]
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
@@ -203,11 +243,9 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
 
     forward_backward = get_forward_backward_func()
     ckpt_dir = out_dir / "checkpoints"
-    data = batches()
     start = resume(model, optimizer, ckpt_dir, rank)
     torch.cuda.reset_peak_memory_stats()
     for iteration in range(start + 1, t["iterations"] + 1):
-        step_of["iteration"] = iteration
         torch.cuda.synchronize()
         began = time.perf_counter()
         lr = lr_at(iteration, t)
@@ -215,18 +253,35 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
             group["lr"] = lr
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(iteration), model=[model],
                                   num_microbatches=micro_batches, seq_length=seq, micro_batch_size=mbs,
                                   decoder_seq_length=seq, forward_only=False)
+        if iteration <= start + 2:
+            trace.mark(f"forward_backward_{iteration - start}")
         _ok, grad_norm, _zeros = optimizer.step()
+        if iteration <= start + 2:
+            trace.mark(f"optimizer_step_{iteration - start}")
         torch.cuda.synchronize()
         step = time.perf_counter() - began
         loss = (sum(x["lm loss"] for x in losses) / len(losses)).float() if losses else torch.zeros((), device="cuda")
         report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage())
         if t["save_interval"] and iteration % t["save_interval"] == 0:
             save(model, optimizer, ckpt_dir, iteration, rank)
+    trace.mark("end")
     ps.destroy_model_parallel()
     return 0
+
+
+def config_overrides(rank: int) -> dict[str, Any]:
+    """TransformerConfig fields from STEPDEPLOY_MCORE_OVERRIDES (a JSON object; `render --env` sets it), for
+    measuring a megatron-core option before making it the engine's default."""
+    import json
+    import os
+
+    overrides = json.loads(os.environ.get("STEPDEPLOY_MCORE_OVERRIDES") or "{}")
+    if overrides:
+        log(rank, f"TransformerConfig overrides from STEPDEPLOY_MCORE_OVERRIDES: {overrides}")
+    return overrides
 
 
 def lr_at(iteration: int, t: dict[str, Any]) -> float:
@@ -272,47 +327,117 @@ def save(model: Any, optimizer: Any, ckpt_dir: Path, iteration: int, rank: int) 
         ckpt.staging_dir(ckpt_dir, iteration)
     dist.barrier()
     staging = ckpt_dir / f".{ckpt.iteration_name(iteration)}.tmp"
-    state = sharded_state(model, optimizer, is_loading=False, rank=rank)
-    dist_checkpointing.save(state, str(staging))
+    # megatron adds process groups to the metadata dict it is given: each use gets a fresh one
+    state = sharded_state(model, optimizer, is_loading=False, metadata=checkpoint_metadata(optimizer))
+    dist_checkpointing.save(state, str(staging), content_metadata=checkpoint_metadata(optimizer))
     dist.barrier()
     if rank == 0:
-        ckpt.atomic_write_json(staging / "stepdeploy.json", {"iteration": iteration, "optimizer": "optimizer" in state})
+        ckpt.atomic_write_json(staging / "stepdeploy.json", {"iteration": iteration, "optimizer": True,
+                                                             "metadata": checkpoint_metadata(optimizer)})
         ckpt.commit(ckpt_dir, iteration)
         log(0, f"checkpoint {iteration} committed")
     dist.barrier()
 
 
+def distopt_sharding() -> str:
+    """The distributed optimizer's checkpoint format (STEPDEPLOY_DISTOPT_SHARDING overrides, for experiments).
 
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}  # fully parallel, no gather
+    dp_reshardable: every rank writes and reads its own optimizer shard, no gather (resharding only in DP)."""
+    import os
+
+    return os.environ.get("STEPDEPLOY_DISTOPT_SHARDING", "dp_reshardable")
 
 
-def sharded_state(model: Any, optimizer: Any, is_loading: bool, rank: int, with_optimizer: bool = True) -> dict:
-    model_sd = model.module.sharded_state_dict()  # through megatron's DDP to Float16Module -> GPTModel
-    state = {"model": model_sd}
-    if with_optimizer:
-        try:
-            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                              metadata=OPTIMIZER_SHARDING)
-        except Exception as exc:  # optimizer sharding differs across megatron-core versions: keep the weights
-            log(rank, f"optimizer state not checkpointed: {type(exc).__name__}: {exc}")
-    return state
+def checkpoint_metadata(optimizer: Any) -> dict[str, Any]:
+    """What megatron's own training loop passes to sharded_state_dict (and saves as the checkpoint's content
+    metadata, so a load builds its state dict for the format the checkpoint holds)."""
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if _is_distributed(optimizer):
+        metadata["distrib_optim_sharding_type"] = distopt_sharding()
+    return metadata
+
+
+def _is_distributed(optimizer: Any) -> bool:
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(type(o).__name__ == "DistributedOptimizer" for o in inner)
+
+
+def sharded_state(model: Any, optimizer: Any, is_loading: bool, metadata: dict[str, Any]) -> dict:
+    """The model's and the optimizer's sharded state dicts, built as megatron's training loop builds them."""
+    model_sd = model.module.sharded_state_dict(metadata=metadata)  # through DDP to Float16Module -> GPTModel
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
 
 
 def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int) -> int:
-    """Load the checkpoint `latest` names (all ranks share ckpt_dir); 0 for a fresh start."""
-    import json
-
+    """Load the checkpoint `latest` names (all ranks share ckpt_dir): weights and optimizer state, or fail
+    loudly (a resume that silently drops the optimizer state is not a resume). 0 for a fresh start."""
     from megatron.core import dist_checkpointing
 
     iteration = ckpt.latest_iteration(ckpt_dir)
     if iteration is None:
         return 0
     where = ckpt_dir / ckpt.iteration_name(iteration)
-    saved = json.loads((where / "stepdeploy.json").read_text())
-    state = sharded_state(model, optimizer, is_loading=True, rank=rank, with_optimizer=saved["optimizer"])
+    metadata = dist_checkpointing.load_content_metadata(str(where)) or checkpoint_metadata(optimizer)
+    materialize_optimizer_state(optimizer)
+    state = sharded_state(model, optimizer, is_loading=True, metadata=dict(metadata))
     loaded = dist_checkpointing.load(state, str(where))
     model.module.load_state_dict(loaded["model"])
-    if "optimizer" in loaded:
-        optimizer.load_state_dict(loaded["optimizer"])
-    log(rank, f"resumed from checkpoint {iteration} (optimizer state: {'optimizer' in loaded})")
+    optimizer.load_state_dict(loaded["optimizer"])
+    restore_adam_steps(optimizer, loaded["optimizer"])
+    log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, "
+              f"{metadata.get('distrib_optim_sharding_type', 'no distributed optimizer')})")
     return iteration
+
+
+def materialize_optimizer_state(optimizer: Any) -> None:
+    """torch's Adam creates its state (step, exp_avg, exp_avg_sq) at its first step, and megatron's
+    DistributedOptimizer.state_dict() -- called to build the state dict a checkpoint loads into -- asserts
+    that it exists (with Apex/TE's FusedAdam it need not). Take one zero-gradient step on every inner
+    optimizer that has no state yet; the load then overwrites every value, main parameters included."""
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        torch_optimizer = inner.optimizer
+        if len(torch_optimizer.state):
+            continue
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        torch_optimizer.step()
+        torch_optimizer.zero_grad(set_to_none=True)
+
+
+def restore_adam_steps(optimizer: Any, loaded: Any) -> None:
+    """Put back Adam's step count after a load. With torch's Adam (no Apex/TE) megatron-core 0.16-0.19's
+    dp_reshardable load restores `step` from the checkpoint's param_groups, then copies every 0-dim state
+    tensor of the bucket state over it -- `step` included, which that format keeps local (not saved) -- so
+    the step silently becomes the fresh optimizer's. Adam's bias correction depends on it."""
+    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    states = [loaded] if len(inners) == 1 else [state for _key, state in sorted(loaded.items())]
+    for inner, state in zip(inners, states, strict=True):
+        groups = state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []
+        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+        if len(steps) != 1:
+            continue
+        step = steps.pop()
+        for param_state in inner.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"].fill_(step)
+
+
+class MemoryTrace:
+    """Rank 0's allocated/peak GiB at named phases (out/memtrace.json), when STEPDEPLOY_MEMTRACE=1: what the
+    planner's memory model is checked against, component by component."""
+
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        import os
+
+        self.path = out_dir / "memtrace.json" if rank == 0 and os.environ.get("STEPDEPLOY_MEMTRACE") == "1" else None
+        self.phases: dict[str, dict[str, float]] = {}
+
+    def mark(self, phase: str) -> None:
+        if self.path is None:
+            return
+        torch.cuda.synchronize()
+        self.phases[phase] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+                              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+        ckpt.atomic_write_json(self.path, self.phases)

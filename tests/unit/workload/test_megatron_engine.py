@@ -4,8 +4,6 @@ needs CUDA and is verified on the H200 machine (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import pytest
@@ -44,27 +42,9 @@ def test_plan_maps_to_megatron_config_and_parallel_sizes() -> None:
     assert dense["activation_func"] is torch.nn.functional.silu
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def single_rank() -> Any:
-    from megatron.core import parallel_state
-
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-
 
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
-def test_model_builds_on_cpu_with_sdpa_attention_and_learns(model: str, single_rank: Any,
+def test_model_builds_on_cpu_with_sdpa_attention_and_learns(model: str, megatron_single_rank: None,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -110,3 +90,53 @@ def test_sdpa_attention_matches_explicit_causal_softmax() -> None:
     scores = scores.masked_fill(torch.triu(torch.ones(5, 5, dtype=torch.bool), 1), float("-inf"))
     expected = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), vv).reshape(5, 2, 32)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attn_kernel_is_used_when_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a `flash_attn` module importable, bf16 attention goes through its flash_attn_func ([b, s, n, d]
+    layout, causal, GQA by fewer k/v heads) and gives what the SDPA path gives; without it, SDPA."""
+    import sys
+    import types
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    calls: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = []
+
+    def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Any = None, causal: bool = False) -> Any:
+        calls.append((tuple(q.shape), tuple(k.shape), causal))
+        reps = q.shape[2] // k.shape[2]
+        kk, vv = k.repeat_interleave(reps, dim=2), v.repeat_interleave(reps, dim=2)
+        scores = torch.einsum("bshd,bthd->bhst", q.float(), kk.float()) * softmax_scale
+        mask = torch.triu(torch.ones(q.shape[1], q.shape[1], dtype=torch.bool), 1)
+        scores = scores.masked_fill(mask, float("-inf")) if causal else scores
+        return torch.einsum("bhst,bthd->bshd", scores.softmax(-1), vv.float()).to(q.dtype)
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 2, 4, 8, generator=gen).bfloat16()
+    k, v = torch.randn(6, 2, 2, 8, generator=gen).bfloat16(), torch.randn(6, 2, 2, 8, generator=gen).bfloat16()
+    sdpa = engine_megatron.sdpa_core_attention()
+    assert not sdpa.uses_flash_attn  # no flash-attn installed here
+    expected = sdpa(config, 1, None, softmax_scale=8**-0.5)(q, k, v, None)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    flash = engine_megatron.sdpa_core_attention()
+    assert flash.uses_flash_attn
+    out = flash(config, 1, None, softmax_scale=8**-0.5)(q, k, v, None)
+    assert calls == [((2, 6, 4, 8), (2, 6, 2, 8), True)]
+    assert out.shape == (6, 2, 32)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    flash(config, 1, None, softmax_scale=8**-0.5)(q.float(), k.float(), v.float(), None)  # fp32: SDPA, not flash
+    assert len(calls) == 1
+
+
+def test_batches_depend_on_the_iteration_alone_so_a_resumed_run_sees_the_same_data() -> None:
+    """Iteration k's micro-batches are the same whether the run started at 1 or resumed at k (the bug this
+    replaced counted micro-batches since the process started, so a resumed run trained on other data)."""
+    for micro_batches in (1, 2, 3, 8):
+        fresh = {it: [engine_megatron.batch_index(it, m, micro_batches) for m in range(micro_batches)]
+                 for it in range(1, 40)}
+        resumed = {it: [engine_megatron.batch_index(it, m, micro_batches) for m in range(micro_batches)]
+                   for it in range(21, 40)}
+        assert all(resumed[it] == fresh[it] for it in resumed)
+        assert all(0 <= i < engine_megatron.POOL for ids in fresh.values() for i in ids)
+        assert len({i for ids in fresh.values() for i in ids}) == engine_megatron.POOL  # the whole pool is used

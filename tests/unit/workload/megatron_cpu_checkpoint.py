@@ -1,0 +1,134 @@
+"""Run by test_megatron_checkpoint.py in a process of its own: the megatron engine's save() and resume() on
+CPU with megatron-core's real DDP, DistributedOptimizer and dist-checkpointing (gloo, world size 1).
+
+megatron-core hard-codes CUDA in places (device='cuda' tensors, torch.cuda.*Tensor type checks), so this
+process first points those at the CPU -- which is why it must not share a process with other tests. Trains
+two steps, saves, builds a second model and optimizer from another seed, resumes, and prints one JSON line
+comparing weights, Adam state and Adam's step count with what was saved.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cuda_on_cpu() -> None:
+    def cpu(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrap(*args: Any, **kwargs: Any) -> Any:
+            device = kwargs.get("device")
+            if device is not None and ("cuda" in str(device) or type(device) is int):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+        return wrap
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like", "ones_like"):
+        setattr(torch, name, cpu(getattr(torch, name)))
+    tensor_to, tensor_type = torch.Tensor.to, torch.Tensor.type
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        args = tuple("cpu" if (isinstance(a, str) and "cuda" in a) or isinstance(a, torch.device) or type(a) is int
+                     else a for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = "cpu"
+        return tensor_to(self, *args, **kwargs)
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return tensor_type(self, *args, **kwargs)
+        return tensor_type(self).replace("torch.", "torch.cuda.", 1)  # megatron checks for CUDA tensor types
+
+    torch.Tensor.to, torch.Tensor.type = to, type_
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.is_available = lambda: False
+    torch.cuda.current_stream = lambda *a, **k: None
+
+
+def main(model_name: str, workdir: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "stepdeploy" / "workload"))
+    cuda_on_cpu()
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    import engine_megatron as em
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from stepdeploy.catalog import load_model
+    from stepdeploy.plan.layout import Layout
+    from stepdeploy.render.options import RenderOptions
+    from stepdeploy.render.workload import workload_config
+
+    cfg = workload_config(load_model(model_name), Layout(mbs=2), RenderOptions(run_id="t", seq_length=32,
+                          global_batch_size=2), engine="megatron", world=1, peak_tflops=790.0)
+    ps.initialize_model_parallel(1, 1)
+    kwargs = em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True}
+    if "num_moe_experts" in kwargs:  # the alltoall dispatcher allocates a CUDA stream
+        kwargs["moe_token_dispatcher_type"] = "allgather"
+
+    def build(seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        config = TransformerConfig(**kwargs)
+        model = Float16Module(config, em.build_model(cfg, config))
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
+                                                           use_distributed_optimizer=True), [model])
+        return model, optimizer
+
+    def adam_states(optimizer: Any) -> list[dict[str, torch.Tensor]]:
+        inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        return [{k: v.detach().clone().float() for k, v in state.items()}
+                for inner in inners for state in inner.optimizer.state.values()]
+
+    model, optimizer = build(1)
+    pool = em.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, 0)
+    positions = torch.arange(32).unsqueeze(0).expand(2, -1)
+    for step in range(2):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        tokens = pool[step]
+        model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
+        model.finish_grad_sync()
+        optimizer.step()
+    ckpt_dir = workdir / "checkpoints"
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    em.save(model, optimizer, ckpt_dir, 2, 0)
+    saved_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saved_states = adam_states(optimizer)
+
+    model2, optimizer2 = build(7)
+    differs_before = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
+    resumed = em.resume(model2, optimizer2, ckpt_dir, 0)
+    states = adam_states(optimizer2)
+    print(json.dumps({
+        "resumed": resumed, "params": len(saved_params), "params_differing_before": differs_before,
+        "params_differing": sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters()),
+        "adam_states": [len(saved_states), len(states)],
+        "adam_tensors_differing": sum(not torch.equal(a[k], b[k]) for a, b in zip(saved_states, states, strict=True)
+                                      for k in a if k != "step"),
+        "steps_saved": sorted({float(s["step"]) for s in saved_states}),
+        "steps_resumed": sorted({float(s["step"]) for s in states}),
+        "latest": (ckpt_dir / "latest").read_text().strip()}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
