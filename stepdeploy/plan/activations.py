@@ -15,6 +15,11 @@ from stepdeploy.plan.params import LayerParams
 
 BF16 = 2
 FP32 = 4
+# With EP > 1 the busiest rank's experts get more than their 1/EP share of the routed rows (the router is not
+# balanced early in training); the peak is the max over ranks. Measured on 2 x H200, proxy-0.7b-moe EP2 MBS 4
+# (2026-11-29): 1.25x (SequentialMLP, 16 iterations, docs/benchmarks.md) and 1.49x (grouped_mm, 6 iterations,
+# docs/planner.md) from the peaks; 1.35 predicts both within 2.5 %.
+EP_ROUTING_IMBALANCE = 1.35
 
 
 @dataclass(frozen=True)
@@ -35,34 +40,57 @@ def _attention(
 ) -> float:
     heads, d, tp = layer.shape.num_heads, spec.kv_channels, layout.tp
     q_width, kv_width = heads * d, spec.num_query_groups * d
-    hidden = 2 * spec.hidden_size * BF16 * shards.hidden  # norm input, QKV input
-    qkv = (q_width + 2 * kv_width) * BF16 + q_width * BF16  # q, k, v and the core-attention output
-    stats = 0 if selective else heads * FP32  # softmax log-sum-exp, recomputed under selective
+    hidden = 2 * spec.hidden_size * BF16 * shards.hidden  # norm input, QKV input (SP: the local shard)
+    # The fused QKV output stays alive whole: v is a view of it that SDPA saves. RoPE makes new q and k.
+    qkv = (q_width + 2 * kv_width) * BF16
+    rope = (q_width + kv_width) * BF16 if spec.position_embedding_type == "rope" else 0
+    core_out = q_width * BF16  # SDPA output = linear_proj input (the [b,n,s,d] -> [s,b,h] reshape is a view)
+    stats = 0 if selective else heads * FP32  # softmax log-sum-exp; selective recomputes core attention
     gate = 2 * heads * BF16 if spec.attention_gate == "per_head" else 0
-    return hidden + shards.attention * (qkv + stats + gate) / tp
+    return hidden + shards.attention * (qkv + rope + core_out + stats + gate) / tp
+
+
+def mlp_saved_per_row(width: int, gated: bool, probs: bool) -> float:
+    """Bytes one token row saves inside an MLP of `width` (local spec, no fusions), input excluded.
+
+    fc1 output (saved by the activation; 2 x width for GLU, whose halves are views of it), activation
+    output (saved by fc2, or by the GLU product), GLU product, and for routed experts the activation
+    scaled by the router probability (megatron applies the probabilities inside the expert: the product
+    is saved by fc2, the unscaled activation by the multiplication).
+    """
+    saved = (2 * width if gated else width) + width
+    if gated:
+        saved += width
+    if probs:
+        saved += width
+    return saved * BF16
 
 
 def _dense_mlp(spec: ModelSpec, width: int, layout: Layout, shards: TokenShards) -> float:
-    gated = 2 if spec.gated_linear_unit else 1
     hidden = 2 * spec.hidden_size * BF16 * shards.hidden  # norm input, fc1 input
-    return hidden + shards.attention * (gated * width + width) * BF16 / layout.tp  # fc1 out, act out
+    return hidden + shards.attention * mlp_saved_per_row(width, spec.gated_linear_unit, False) / layout.tp
 
 
-def _moe(spec: ModelSpec, layout: Layout, shards: TokenShards, selective: bool) -> float:
+def _moe(spec: ModelSpec, layout: Layout, shards: TokenShards) -> float:
     moe = spec.moe
     assert moe is not None
-    h, gated = spec.hidden_size, 2 if spec.gated_linear_unit else 1
+    h = spec.hidden_size
     local_tokens = shards.hidden  # tokens this rank routes (its sequence-parallel shard)
-    hidden = 2 * h * BF16 * local_tokens  # norm input, router input
+    hidden = 2 * h * BF16 * local_tokens  # norm input, norm output (router and dispatcher input)
     router = 2 * moe.num_experts * FP32 * local_tokens  # logits and scores
-    rows = local_tokens * moe.topk  # token copies this GPU computes after dispatch (balanced)
-    act = 0 if selective else moe.ffn_hidden_size  # moe_act is recomputed under selective
-    routed = rows * (layout.etp * 2 * h + gated * moe.ffn_hidden_size + act) * BF16  # fc1 in, combine in
+    imbalance = EP_ROUTING_IMBALANCE if layout.ep > 1 else 1.0
+    rows = local_tokens * moe.topk * imbalance  # token copies this GPU's experts compute after dispatch
+    # ETP: each rank of an expert's ETP group sees all of the group's rows at width F / ETP.
+    if layout.grouped_experts:  # experts_grouped.py saves its input and fc1's output, recomputes the rest
+        saved = (2 if spec.gated_linear_unit else 1) * moe.ffn_hidden_size * BF16
+    else:
+        saved = mlp_saved_per_row(moe.ffn_hidden_size, spec.gated_linear_unit, True)
+    per_row = layout.etp * h * BF16 + saved
     shared = 0.0
     if moe.shared_expert_ffn_hidden_size:
         width = moe.shared_expert_ffn_hidden_size
-        shared = shards.attention * (gated * width + width) * BF16 / layout.tp
-    return hidden + router + routed + shared
+        shared = shards.attention * mlp_saved_per_row(width, spec.gated_linear_unit, False) / layout.tp
+    return hidden + router + rows * per_row + shared
 
 
 def layer_activation_bytes(spec: ModelSpec, layer: LayerParams, layout: Layout, seq_length: int) -> float:
@@ -79,7 +107,7 @@ def full_layer_bytes(
     shards = token_shards(seq_length, layout)
     total = _attention(spec, layer, layout, shards, selective)
     if layer.shape.ffn == "moe":
-        total += _moe(spec, layout, shards, selective)
+        total += _moe(spec, layout, shards)
     else:
         total += _dense_mlp(spec, spec.ffn_hidden_size, layout, shards)
     if layer.mtp_extra:
@@ -103,7 +131,13 @@ def in_flight_microbatches(layout: Layout, stage: int, microbatches: int) -> flo
 
 
 def logits_bytes(spec: ModelSpec, layout: Layout, seq_length: int) -> float:
-    """Last stage: bf16 logits + fp32 softmax of the vocab-parallel cross entropy, per MTP head too."""
-    tokens = layout.mbs * seq_length / layout.cp
+    """Last stage, per head (MTP heads too): final-norm input and output-layer input (h wide, SP-sharded),
+    bf16 logits + their fp32 copy that the vocab-parallel cross entropy turns into the saved softmax
+    (both alive at the end of the forward pass and again while backward casts the gradient to bf16)."""
+    shards = token_shards(seq_length, layout)
     heads = 1 + spec.mtp_num_layers
-    return heads * tokens * spec.vocab_size / layout.tp * (BF16 + FP32)
+    head_inputs = 2 * spec.hidden_size * BF16 * shards.hidden
+    # megatron-core's fused cross entropy (the engine's default) holds one more fp32 copy: measured +1.00 GiB
+    # at MBS 4 and +2.09 GiB at MBS 8 on the dense proxy (32768 vocab, seq 2048), docs/benchmarks.md
+    per_entry = BF16 + FP32 * (2 if layout.cross_entropy_fusion else 1)
+    return heads * (head_inputs + shards.attention * spec.vocab_size / layout.tp * per_entry)

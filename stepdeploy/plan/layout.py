@@ -31,13 +31,20 @@ class Layout:
     overlap_p2p_comm: bool = True
     overlap_moe_expert_parallel_comm: bool = False
     dispatcher: Dispatcher = "alltoall"
-    grouped_gemm: bool = True  # False: megatron-core's SequentialMLP expert loop (no TE)
+    grouped_gemm: bool = True  # grouped experts where the engine has them (ETP 1); False: SequentialMLP
+    cross_entropy_fusion: bool = True  # megatron-core's fused vocab-parallel cross entropy (one more fp32 copy)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
     @property
     def sp(self) -> bool:
         return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
+    def grouped_experts(self) -> bool:
+        """Experts run as grouped GEMMs (the megatron engine's torch._grouped_mm module, ETP 1 only);
+        otherwise megatron-core's SequentialMLP loop."""
+        return self.grouped_gemm and self.etp == 1
 
     @property
     def param_gather_overlap(self) -> bool:
@@ -122,6 +129,7 @@ _ALIASES = {
     "dist-opt": "distributed_optimizer",
     "offload": "optimizer_cpu_offload",
     "sp": "sequence_parallel",
+    "ce-fusion": "cross_entropy_fusion",
     "first": "first_stage_layers",
     "last": "last_stage_layers",
 }

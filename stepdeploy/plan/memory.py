@@ -1,8 +1,10 @@
 """Memory per GPU for every pipeline stage, by component; the worst stage decides whether a layout fits.
 
-`torch_allocated` is what torch.cuda.max_memory_allocated() would report on that stage's GPUs (weights,
-gradients, optimizer state, activations, logits, dispatcher buffers); NCCL buffers, the CUDA context
-and allocator fragmentation come on top of it in nvidia-smi.
+`torch_allocated` is what torch.cuda.max_memory_allocated() would report on that stage's GPUs: the
+persistent state (weights, gradients, optimizer state) plus the larger of two transient peaks, the
+forward-backward one (activations, logits, dispatcher buffers; at the start of backward) and the
+optimizer-step one (torch Adam's foreach temporaries). NCCL buffers, the CUDA context and allocator
+fragmentation come on top of it in nvidia-smi.
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ from stepdeploy.plan.stages import Stage, stage_params, stages
 WEIGHT_BYTES = 2  # bf16 parameters
 GRAD_BYTES = 4  # fp32 main gradients (accumulate-allreduce-grads-in-fp32)
 OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m and v
+# torch.optim.AdamW (megatron-core's optimizer without apex/TE) steps each param group with foreach ops;
+# _multi_tensor_adam allocates sqrt(v) for the whole group in fp32 (4 B per parameter it owns) while
+# m, v, master weights and fp32 grads stay. Measured on H200: MBS-1 peaks = state + 4 B/param
+# (docs/benchmarks.md, 2026-11-29: dense 15.19 GiB, MoE 72.94 GiB on 1 GPU).
+ADAM_STEP_BYTES = 4
 NCCL_BASE_MIB = 256  # assumed: NCCL workspace of the first communicator
 NCCL_PER_GROUP_MIB = 128  # assumed: each further process group of size > 1
 FLEX_BUFFER_MIB = 1024  # assumed: DeepEP (flex dispatcher) NVLink + RDMA buffers
 FRAGMENTATION = 0.05  # assumed: reserved-but-unallocated share of the caching allocator
 
-TORCH_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "dispatcher")
+STATE_COMPONENTS = ("weights", "gradients", "optimizer")
+FORWARD_BACKWARD = ("activations", "logits", "dispatcher")  # transient: the forward-backward peak
+TORCH_COMPONENTS = (*STATE_COMPONENTS, *FORWARD_BACKWARD, "optimizer_step")
 COMPONENTS = (*TORCH_COMPONENTS, "nccl", "cuda_context", "fragmentation")
 
 
@@ -36,12 +45,27 @@ class StageMemory:
     host_offload: float = 0.0  # bytes per GPU moved to host memory (optimizer CPU offload)
 
     @property
+    def state(self) -> float:
+        return sum(self.components[name] for name in STATE_COMPONENTS)
+
+    @property
+    def forward_backward_peak(self) -> float:
+        return self.state + sum(self.components[name] for name in FORWARD_BACKWARD)
+
+    @property
+    def optimizer_step_peak(self) -> float:
+        return self.state + self.components["optimizer_step"]
+
+    @property
     def torch_allocated(self) -> float:
-        return sum(self.components[name] for name in TORCH_COMPONENTS)
+        """The peak of torch.cuda.max_memory_allocated(): state + the larger transient."""
+        return max(self.forward_backward_peak, self.optimizer_step_peak)
 
     @property
     def total(self) -> float:
-        return sum(self.components.values())
+        return self.torch_allocated + sum(
+            value for name, value in self.components.items() if name not in TORCH_COMPONENTS
+        )
 
     def largest(self) -> str:
         return max(self.components, key=lambda name: self.components[name])
@@ -93,17 +117,23 @@ def _state_bytes(
 ) -> dict[str, float]:
     held = stage_params(params, stage, layout)
     dense_shards, expert_shards = _optimizer_shards(job, layout)
-    optimizer = OPTIMIZER_BYTES * (held.dense / dense_shards + held.expert / expert_shards)
+    dense_owned, expert_owned = held.dense / dense_shards, held.expert / expert_shards
+    optimizer = OPTIMIZER_BYTES * (dense_owned + expert_owned)
     offloaded = optimizer if layout.optimizer_cpu_offload and not unified else 0.0
+    # Expert params get their own optimizer (a ChainedOptimizer steps them one after the other) when they
+    # use expert process groups (EP > 1 or ETP != TP); otherwise they share the dense param groups.
+    own_groups = layout.ep > 1 or layout.etp != layout.tp
+    largest_group = max(dense_owned, expert_owned) if own_groups else dense_owned + expert_owned
     return {
         "weights": WEIGHT_BYTES * held.total,
         "gradients": GRAD_BYTES * held.total,
         "optimizer": optimizer - offloaded,
+        "optimizer_step": 0.0 if layout.optimizer_cpu_offload else ADAM_STEP_BYTES * largest_group,
         "host_offload": offloaded,
     }
 
 
-def _activation_bytes(job: Job, layout: Layout, stage: Stage) -> float:
+def _activation_bytes(job: Job, layout: Layout, stage: Stage, logits: float) -> float:
     spec, seq = job.model, job.seq_length
     decoder = [layer for layer in stage.layers if not layer.mtp_extra]
     mtp = [layer for layer in stage.layers if layer.mtp_extra]
@@ -111,9 +141,10 @@ def _activation_bytes(job: Job, layout: Layout, stage: Stage) -> float:
     held = per_microbatch * act.in_flight_microbatches(layout, stage.index, job.microbatches(layout))
     held += sum(act.full_layer_bytes(spec, layer, layout, seq) for layer in mtp)  # one micro-batch
     if layout.recompute == "full" and decoder:
-        held += max(
-            act.full_layer_bytes(spec, layer, layout, seq) for layer in decoder
-        )  # recompute working set
+        # The re-run layer's working set exists only after the logits' backward has freed them (measured
+        # memtrace, dense 1 H200 MBS 4 full recompute: forward-backward peak = state + layer inputs + logits).
+        working_set = max(act.full_layer_bytes(spec, layer, layout, seq) for layer in decoder)
+        held += max(0.0, working_set - logits)
     return held
 
 
@@ -140,10 +171,11 @@ def stage_memory(
 ) -> StageMemory:
     parts = _state_bytes(params, job, layout, stage, cluster.gpu.unified_memory)
     host_offload = parts.pop("host_offload")
-    parts["activations"] = _activation_bytes(job, layout, stage)
     parts["logits"] = act.logits_bytes(job.model, layout, job.seq_length) if stage.last else 0.0
+    parts["activations"] = _activation_bytes(job, layout, stage, parts["logits"])
     parts["dispatcher"] = _dispatcher_bytes(job, layout, stage)
-    allocated = sum(parts.values())
+    allocated = max(sum(parts[name] for name in (*STATE_COMPONENTS, *FORWARD_BACKWARD)),
+                    sum(parts[name] for name in (*STATE_COMPONENTS, "optimizer_step")))
     parts["nccl"] = _nccl_bytes(job, layout)
     parts["cuda_context"] = cluster.gpu.cuda_context_mib * MIB
     parts["fragmentation"] = FRAGMENTATION * allocated

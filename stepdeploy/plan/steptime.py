@@ -1,4 +1,6 @@
-"""Predicted step time: compute at a calibrated efficiency, exposed communication, pipeline bubble.
+"""Predicted step time: compute at a calibrated efficiency, exposed communication, pipeline bubble, and the
+host: a micro-batch takes about max(GPU time, host time), since the GPU cannot run kernels faster than Python
+launches them (megatron-core's local spec launches many small kernels per layer).
 
 Rank order in Megatron's default grid is tp-cp-ep-dp-pp: TP is innermost, so a TP group stays inside
 a node when TP <= GPUs per node; CP spans TP*CP ranks, DP TP*CP*DP, the expert groups ETP*EP.
@@ -19,6 +21,43 @@ from stepdeploy.plan.stages import Stage, stage_params, stages
 GB = 1e9
 OFFLOAD_PCIE_GBPS = 50.0  # assumed: host <-> GPU copies of gradients and parameters under CPU offload
 
+# Host time (Python + kernel launches) of one micro-batch, forward + backward, per decoder layer.
+# Fitted on H200, megatron-core 0.19.2 local spec + SDPA, together with the efficiencies in hardware.yaml, to
+# 1-GPU runs (docs/benchmarks.md and docs/planner.md, 2026-11-29): the MBS-1 steps are host-bound (2x slower
+# per token than MBS 4 with the same FLOPs): dense 1.280 s / 32 micro-batches / 12 layers ~ 3.3 ms; MoE with
+# SequentialMLP 4.197 s / 32 / 12 ~ 10.8 ms (the expert loop and its device-to-host sync); MoE with the
+# engine's grouped_mm experts 9.6 ms (MBS 2 selective 1.911 s vs MBS 4 1.332 s: routing and permutation
+# dominate the host time, not the expert loop).
+HOST_S_PER_LAYER = {"dense": 3.28e-3, "moe_sequential": 10.82e-3, "moe_grouped": 9.57e-3}
+# Grouped experts with EP > 1: the alltoall dispatcher copies the split sizes to the host once per MoE layer
+# (a sync); the GPU idles while the host catches up. (SequentialMLP syncs per layer anyway.) Measured: EP2 DP2
+# MBS 4 grouped 0.848 s; fitted: 3.2 ms per MoE layer and micro-batch.
+EP_SYNC_STALL_S = 3.2e-3
+# Measured: with 2 ranks on one host a host-bound micro-batch takes 1.2x as long (DP2 MBS 1: dense
+# 0.789 s / 16 = 49 ms vs 40 ms on 1 GPU; MoE 2.505 s / 16 = 157 ms vs 131 ms).
+HOST_MULTI_GPU = 1.2
+HOST_FULL_RECOMPUTE = 4 / 3  # assumed: the re-run forward costs the host what it costs the GPU (1 of 3)
+# A micro-batch takes (gpu^P + host^P)^(1/P): the larger of the two where one dominates, 12 % above it where
+# they are equal (small kernels stay launch-bound and GEMMs GPU-bound, so the two never overlap perfectly).
+# P = 6 fits the 2-GPU runs best (tried 3, 4, 5, 6, 8; the constants above were fitted with it).
+HOST_OVERLAP_P = 6
+# Per step, outside the micro-batches: schedule set-up, gradient-norm clipping (a Python loop over tensors),
+# zeroing the grad buffer, the syncs around the optimizer step. Measured: dense runs of 2 micro-batches
+# (gbs 8 and 16, iterations 3-4 of the lead's memtrace runs, 2026-11-29) took 12-15 ms more than predicted.
+STEP_HOST_S = 0.014
+
+
+def overlap(gpu: float, host: float) -> float:
+    return (gpu**HOST_OVERLAP_P + host**HOST_OVERLAP_P) ** (1 / HOST_OVERLAP_P)
+
+
+def host_seconds(stage: Stage, layout: Layout, world: int) -> float:
+    """Host time of one micro-batch on one stage (see HOST_S_PER_LAYER)."""
+    moe = HOST_S_PER_LAYER["moe_grouped" if layout.grouped_experts else "moe_sequential"]
+    per_layer = [moe if layer.shape.ffn == "moe" else HOST_S_PER_LAYER["dense"] for layer in stage.layers]
+    seconds = sum(per_layer) * (HOST_FULL_RECOMPUTE if layout.recompute == "full" else 1.0)
+    return seconds * (HOST_MULTI_GPU if world > 1 else 1.0)
+
 
 @dataclass(frozen=True)
 class StepTime:
@@ -27,6 +66,7 @@ class StepTime:
     communication: float
     bubble: float
     optimizer: float
+    host_bound: bool  # the slowest stage's micro-batch waits for the host, not the GPU
     tokens_per_second: float
     mfu: float  # model FLOPs / (time x GPUs x peak used)
     peak_tflops: float
@@ -88,21 +128,26 @@ def predict_step_time(
 ) -> StepTime:
     eff = hardware.efficiency
     peak = hardware.peak_tflops(cluster.gpu) * 1e12
-    expert_eff = eff.experts_grouped_gemm if layout.grouped_gemm else eff.experts_sequential
+    expert_eff = eff.experts_grouped_gemm if layout.grouped_experts else eff.experts_sequential
     tokens_per_mb = layout.mbs * job.seq_length
-    compute, comm = [], []
+    compute, comm, host = [], [], []
     for stage in stages(params, job, layout):
         flops = stage_flops_per_token(params, job.model, stage.layers, stage.last, job.seq_length, layout)
         per_gpu = tokens_per_mb / (layout.tp * layout.cp)
         compute.append(per_gpu * (flops.dense / eff.dense + flops.expert / expert_eff) / peak)
-        comm.append(_microbatch_comm(job, layout, cluster, stage, eff.comm_overlap))
-    slowest = max(c + m for c, m in zip(compute, comm, strict=True))
+        stall = 0.0
+        if layout.ep > 1 and layout.grouped_experts:
+            stall = EP_SYNC_STALL_S * sum(1 for layer in stage.layers if layer.shape.ffn == "moe")
+        comm.append(_microbatch_comm(job, layout, cluster, stage, eff.comm_overlap) + stall)
+        host.append(host_seconds(stage, layout, job.world))
+    gpu = max(c + m for c, m in zip(compute, comm, strict=True))
+    slowest = overlap(gpu, max(host))
     microbatches = job.microbatches(layout)
     bubble = (layout.pp - 1) / layout.vpp * slowest
     last = stages(params, job, layout)[-1]
     sync = _grad_sync(params, job, layout, cluster, last) * (1 - eff.comm_overlap)
     optimizer = _optimizer_step(params, job, layout, cluster, last)
-    seconds = microbatches * slowest + bubble + sync + optimizer
+    seconds = microbatches * slowest + bubble + sync + optimizer + STEP_HOST_S
     model_flops = model_flops_per_step(params, job.model, job.seq_length, job.global_batch_size)
     return StepTime(
         seconds=seconds,
@@ -110,6 +155,7 @@ def predict_step_time(
         communication=microbatches * max(comm) + sync,
         bubble=bubble,
         optimizer=optimizer,
+        host_bound=max(host) > gpu,
         tokens_per_second=job.global_batch_size * job.seq_length / seconds,
         mfu=model_flops / (seconds * job.world * peak),
         peak_tflops=peak / 1e12,

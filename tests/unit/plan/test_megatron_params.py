@@ -8,8 +8,6 @@ Needs torch and megatron-core (0.16.1 is what pip resolves on Python 3.11); skip
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import pytest
@@ -23,23 +21,9 @@ mcore = pytest.importorskip(
 torch = pytest.importorskip("torch")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _single_process_group() -> Any:
-    from megatron.core import parallel_state
-
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
+def _single_process_group(megatron_single_rank: None) -> None:
+    """megatron-core's parallel state for every test here (tests/unit/conftest.py)."""
 
 
 def _transformer_config(spec: ModelSpec) -> Any:

@@ -17,12 +17,16 @@ TINY = load_model("tiny-dense")
 PARAMS = count_parameters(TINY)
 TOTAL = 7_096_576
 SEQ = 256
-# Per token per layer, bytes: norm + QKV inputs 2*256*2; q,k,v (256+2*128)*2; core out 256*2; lse 8*4;
-# MLP norm + fc1 inputs 2*256*2; fc1 out 2*688*2; act out 688*2.
-ATTENTION_PER_TOKEN = 2 * 256 * 2 + 512 * 2 + 256 * 2 + 8 * 4  # 2,592
-MLP_PER_TOKEN = 2 * 256 * 2 + 2 * 688 * 2 + 688 * 2  # 5,152
-LAYER = SEQ * (ATTENTION_PER_TOKEN + MLP_PER_TOKEN)  # 1,982,464 bytes per micro-batch
-LOGITS = SEQ * 8192 * (2 + 4)  # bf16 logits + fp32 softmax
+# Per token per layer, bytes (what autograd saves in megatron-core's local spec with SDPA, no dropout):
+# norm + QKV inputs 2*256*2; the fused QKV output (256+2*128)*2, kept whole by the v view SDPA saves;
+# RoPE'd q and k (256+128)*2; SDPA output = linear_proj input 256*2; log-sum-exp 8*4.
+ATTENTION_PER_TOKEN = 2 * 256 * 2 + 512 * 2 + 384 * 2 + 256 * 2 + 8 * 4  # 3,360
+# MLP: norm + fc1 inputs 2*256*2; SwiGLU fc1 out 2*688*2; silu out 688*2; product 688*2.
+MLP_PER_TOKEN = 2 * 256 * 2 + 2 * 688 * 2 + 688 * 2 + 688 * 2  # 6,528
+LAYER = SEQ * (ATTENTION_PER_TOKEN + MLP_PER_TOKEN)  # 2,531,328 bytes per micro-batch
+# Output head: final-norm and output-layer inputs 2*256*2, bf16 logits + fp32 softmax 8192*(2+4).
+# bf16 logits, their fp32 copy, and the fused cross entropy's second fp32 copy (the engine's default)
+LOGITS = SEQ * (2 * 256 * 2 + 8192 * (2 + 4 + 4))
 
 
 def _stage0(world: int, layout: Layout, gpu: str = "H200", gbs: int = 16):
@@ -43,13 +47,20 @@ def test_distributed_optimizer_shards_the_12_bytes_over_dp() -> None:
 
 def test_activations_and_logits_of_one_microbatch_by_hand() -> None:
     parts = _stage0(1, Layout()).components
-    assert parts["activations"] == 4 * LAYER == 7_929_856
-    assert parts["logits"] == LOGITS == 12_582_912
+    assert parts["activations"] == 4 * LAYER == 10_125_312
+    assert parts["logits"] == LOGITS == 21_233_664
 
 
 def test_full_recompute_keeps_layer_inputs_plus_one_layer_to_recompute() -> None:
+    inputs = SEQ * 256 * 2  # one layer input, bf16
+    # Last stage: the re-run layer's working set comes after the logits are freed; only its excess counts.
     parts = _stage0(1, Layout(recompute="full")).components
-    assert parts["activations"] == 4 * SEQ * 256 * 2 + LAYER
+    assert LAYER < LOGITS
+    assert parts["activations"] == 4 * inputs
+    # PP2 stage 0 (no logits): 2 layers x 2 in-flight micro-batches of inputs + one layer's working set.
+    cluster = cluster_shape(1, 2, "H200", "ib-400g")
+    first = estimate_memory(PARAMS, Job(TINY, SEQ, 16, 2), Layout(pp=2, recompute="full"), cluster).stages[0]
+    assert first.components["activations"] == 2 * 2 * inputs + LAYER
 
 
 def test_selective_recompute_drops_the_softmax_statistics() -> None:
@@ -86,9 +97,8 @@ def test_overheads_outside_torch() -> None:
     parts = _stage0(1, Layout()).components
     assert parts["cuda_context"] == 600 * MIB
     assert parts["nccl"] == 256 * MIB
-    allocated = sum(
-        parts[k] for k in ("weights", "gradients", "optimizer", "activations", "logits", "dispatcher")
-    )
+    state = sum(parts[k] for k in ("weights", "gradients", "optimizer"))
+    allocated = state + max(parts["activations"] + parts["logits"] + parts["dispatcher"], parts["optimizer_step"])
     assert parts["fragmentation"] == pytest.approx(0.05 * allocated)
 
 
@@ -117,12 +127,19 @@ def test_moe_activations_use_expert_width_and_topk() -> None:
     moe = load_model("tiny-moe")
     params = count_parameters(moe)
     cluster = cluster_shape(1, 1, "H200", "ib-400g")
-    parts = estimate_memory(params, Job(moe, SEQ, 16, 1), Layout(), cluster).stages[0].components
-    # MoE layer: norm + router inputs 2*256*2; router logits+scores 2*8*4; 2 routed copies of
-    # (fc1 in 256 + combine in 256 + fc1 out 512 + act 256)*2; shared expert (512 + 256)*2.
-    moe_ffn = 2 * 256 * 2 + 2 * 8 * 4 + 2 * (256 + 256 + 512 + 256) * 2 + (512 + 256) * 2
+    job = Job(moe, SEQ, 16, 1)
+    parts = estimate_memory(params, job, Layout(grouped_gemm=False), cluster).stages[0].components
+    # MoE layer, SequentialMLP: norm input and output 2*256*2; router logits+scores 2*8*4; 2 routed copies of
+    # (fc1 in 256 + SwiGLU fc1 out 512 + silu out 256 + product 256 + product x router probability 256)*2;
+    # shared expert (512 + 256 + 256)*2.
+    shared = (512 + 256 + 256) * 2
+    moe_ffn = 2 * 256 * 2 + 2 * 8 * 4 + 2 * (256 + 512 + 256 + 256 + 256) * 2 + shared
     expected = SEQ * (4 * ATTENTION_PER_TOKEN + MLP_PER_TOKEN + 3 * moe_ffn)
     assert parts["activations"] == expected
+    # Grouped experts (experts_grouped.py) save only their input and fc1's output: (256 + 512)*2 per copy.
+    grouped = estimate_memory(params, job, Layout(), cluster).stages[0].components
+    moe_grouped = 2 * 256 * 2 + 2 * 8 * 4 + 2 * (256 + 512) * 2 + shared
+    assert grouped["activations"] == SEQ * (4 * ATTENTION_PER_TOKEN + MLP_PER_TOKEN + 3 * moe_grouped)
     assert parts["dispatcher"] == 2 * SEQ * 2 * 256 * 2  # permuted + received rows, top-2
 
 
@@ -137,3 +154,30 @@ def test_seed_layout_does_not_fit_16_h200_and_optimizer_state_is_why() -> None:
     assert memory.worst.largest() == "optimizer"
     # 87.3B parameters per stage / TP8 = 10.9B per GPU -> 12 bytes each of optimizer state
     assert memory.worst.components["optimizer"] == pytest.approx(12 * params.total / 16, rel=0.01)
+
+
+def test_optimizer_step_adds_adams_fp32_sqrt_v_and_the_larger_transient_is_the_peak() -> None:
+    stage = _stage0(1, Layout())
+    parts = stage.components
+    assert parts["optimizer_step"] == 4 * TOTAL  # torch foreach AdamW: sqrt(v) of the whole param group
+    state = 18 * TOTAL
+    assert stage.state == state
+    assert stage.torch_allocated == max(state + 4 * LAYER + LOGITS, state + 4 * TOTAL)
+    assert stage.total == pytest.approx(stage.torch_allocated + parts["nccl"] + parts["cuda_context"]
+                                        + parts["fragmentation"])
+
+
+def test_experts_get_their_own_adam_group_only_with_expert_process_groups() -> None:
+    moe = load_model("tiny-moe")
+    params = count_parameters(moe)
+    cluster = cluster_shape(1, 2, "H200", "ib-400g")
+    expert = sum(layer.experts_total for layer in params.layers)
+    dense = params.total - expert
+
+    def step(layout: Layout) -> float:
+        return estimate_memory(params, Job(moe, SEQ, 16, 2), layout, cluster).stages[0].components["optimizer_step"]
+
+    # EP1 DP2: one optimizer, experts and dense share the param group; both sharded over DP2.
+    assert step(Layout()) == pytest.approx(4 * (dense + expert) / 2)
+    # EP2 DP2: a ChainedOptimizer steps the dense (sharded over DP2) and the expert optimizer (EDP 1) in turn.
+    assert step(Layout(ep=2)) == pytest.approx(4 * max(dense / 2, expert / 2))
