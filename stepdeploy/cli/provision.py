@@ -26,13 +26,17 @@ def provision(
     tags: str | None = typer.Option(None, "--tags", help="Only these role tags (comma-separated)."),
     limit: str | None = typer.Option(None, "--limit", help="Only these hosts or groups (Ansible pattern)."),
     log_dir: Path | None = typer.Option(None, "--log-dir", help="Where ansible-runner's artifacts go."),
+    facts_dir: Path | None = typer.Option(
+        None, "--facts-dir", help="Where each node's NCCL facts are saved as NODE.json (default: .stepdeploy/facts "
+        "next to the inventory; `stepdeploy render` reads them from there)."),
     json_out: bool = typer.Option(False, "--json", help="Print the recap as JSON to stdout."),
 ) -> None:
     """Provision every node: facts + compatibility check first (nothing changes on a conflict), then the
-    roles common, nvidia_driver, cuda_toolkit, nccl, python_env, infiniband. Exit 0 ok, 1 a task failed,
-    2 bad inventory, 3 a node unreachable."""
+    roles common, nvidia_driver, cuda_toolkit, nccl, python_env, infiniband; each node's NCCL facts are
+    brought back to --facts-dir for `stepdeploy render`. Exit 0 ok, 1 a task failed, 2 bad inventory,
+    3 a node unreachable."""
     request = ProvisionRequest(inventory=inventory, check=check, diff=diff, tags=tags, limit=limit,
-                               log_dir=log_dir)
+                               log_dir=log_dir, facts_dir=facts_dir)
     started = time.monotonic()
     if err.is_terminal:
         with Live(console=err, refresh_per_second=4, transient=True) as live:
@@ -45,7 +49,8 @@ def provision(
                               hint=f"full log: {result.stdout_log}")
     if json_out:
         emit_json({**result.progress.summary(), "status": result.status, "check": check,
-                   "log_dir": str(result.log_dir), "seconds": round(result.seconds, 2)})
+                   "log_dir": str(result.log_dir), "seconds": round(result.seconds, 2),
+                   "facts_dir": str(result.facts_dir), "facts": list(result.facts_saved)})
     else:
         render_recap(result, out)
     if result.progress.any_unreachable:
@@ -78,4 +83,6 @@ def render_recap(result: ProvisionResult, console: Console) -> None:
         console.print(Text(f"FAILED {f.host}: {f.task}", style="red bold"))
         for line in f.message.splitlines():
             console.print(Text(f"  {line}"))
+    if result.facts_saved:
+        console.print(f"NCCL facts of {', '.join(result.facts_saved)}: {result.facts_dir}", markup=False)
     console.print(f"full log: {result.stdout_log}")

@@ -37,6 +37,9 @@ def render(
     no_nvls: bool = typer.Option(False, "--no-nvls", help="NCCL_NVLS_ENABLE=0 and the other multicast switches."),
     remote_dir: str = typer.Option(REMOTE_RUNS, "--remote-dir", help="Parent of the run directory on nodes."),
     python: str = typer.Option("/opt/stepdeploy/venv/bin/python", "--python", help="Python on the nodes."),
+    facts_dir: Path | None = typer.Option(
+        None, "--facts-dir", help="NCCL facts `stepdeploy provision` saved, one NODE.json per node (default: "
+        ".stepdeploy/facts next to the inventory, used when it exists)."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be written; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON to stdout."),
 ) -> None:
@@ -47,9 +50,14 @@ def render(
         nproc_per_node=nproc, pg_timeout_s=pg_timeout, save_interval=save_interval, lr=lr,
         seed_options=tuple(seed_option), extra_env=parse_env(env), disable_nvls=no_nvls,
         remote_dir=remote_dir, python=python)
-    rendered = build(inventory, model, layout, opts)
+    rendered = build(inventory, model, layout, opts, facts_dir)
     for note in rendered.notes:
         err.print(f"note: {note}", markup=False, soft_wrap=True)
+    manifest = json.loads(rendered.file("manifest.json").text)
+    with_facts = [node for node in manifest["nodes"] if "facts" in node]
+    if with_facts:
+        err.print(f"NCCL settings of {', '.join(n['name'] for n in with_facts)} from the facts provisioning saved "
+                  f"in {Path(with_facts[0]['facts']['path']).parent}", markup=False, soft_wrap=True)
     if not dry_run:
         write_run(rendered, out_dir)
     if as_json:

@@ -1,4 +1,9 @@
-"""Run playbooks/site.yml on an inventory through ansible-runner, feeding events to a callback."""
+"""Run playbooks/site.yml on an inventory through ansible-runner, feeding events to a callback.
+
+The infiniband role fetches every node's NCCL facts (/etc/stepdeploy/nccl.json) back to the controller, into
+the facts directory this module passes it (`infiniband_nccl_facts_fetch_dir`): by default
+`.stepdeploy/facts/` next to the inventory, where `stepdeploy render` and the rollout look for them.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from stepdeploy import ansible_run
 from stepdeploy.errors import BadInput, MissingPrerequisite
 from stepdeploy.inventory import load_cluster
 from stepdeploy.provision.progress import Progress
+from stepdeploy.render.facts import default_facts_dir, facts_file
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +32,12 @@ class ProvisionRequest:
     limit: str | None = None
     log_dir: Path | None = None
     playbook: str = "site.yml"
+    facts_dir: Path | None = None  # None: .stepdeploy/facts next to the inventory
+
+    @property
+    def nccl_facts_dir(self) -> Path:
+        """Where the nodes' NCCL facts are saved on the controller (absolute)."""
+        return (self.facts_dir or default_facts_dir(self.inventory)).absolute()
 
 
 @dataclass
@@ -35,6 +47,8 @@ class ProvisionResult:
     rc: int
     log_dir: Path
     seconds: float
+    facts_dir: Path | None = None
+    facts_saved: tuple[str, ...] = ()  # hosts whose facts file is in facts_dir after the run
 
     @property
     def stdout_log(self) -> Path:
@@ -75,6 +89,15 @@ def cmdline(request: ProvisionRequest) -> str:
     return " ".join(args)
 
 
+def extravars(request: ProvisionRequest) -> dict[str, str]:
+    """Variables stepdeploy sets for the play (a fetch is skipped in check mode, so --check writes nothing)."""
+    return {"infiniband_nccl_facts_fetch_dir": str(request.nccl_facts_dir)}
+
+
+def saved_facts(facts_dir: Path, hosts: list[str]) -> tuple[str, ...]:
+    return tuple(h for h in hosts if (path := facts_file(facts_dir, h)) is not None and path.is_file())
+
+
 def run(request: ProvisionRequest, on_event: Callable[[Progress, str | None], None] | None = None
         ) -> ProvisionResult:
     validate(request)
@@ -92,12 +115,14 @@ def run(request: ProvisionRequest, on_event: Callable[[Progress, str | None], No
     runner = ansible_run.run(
         log_dir, request.inventory.resolve(),
         playbook=str(playbooks_dir() / request.playbook),
-        cmdline=cmdline(request) or None, tags=request.tags, limit=request.limit,
+        cmdline=cmdline(request) or None, tags=request.tags, limit=request.limit, extravars=extravars(request),
         envvars={"ANSIBLE_ROLES_PATH": str(playbooks_dir().parent / "roles")},
         event_handler=handler, ident="run", rotate_artifacts=1,
     )
     seconds = time.monotonic() - started
     stdout = runner.stdout.read() if runner.stdout else ""
     (log_dir / "stdout.log").write_text(stdout)
+    facts_dir = request.nccl_facts_dir
     return ProvisionResult(progress=progress, status=runner.status, rc=runner.rc, log_dir=log_dir,
-                           seconds=seconds)
+                           seconds=seconds, facts_dir=facts_dir,
+                           facts_saved=saved_facts(facts_dir, list(progress.hosts)))

@@ -24,8 +24,16 @@ from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, parse_layout
 from stepdeploy.plan.params import count_parameters
 from stepdeploy.plan.search import judge, search
+from stepdeploy.render.facts import facts_for
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.run import RenderedRun, load_workload_sources, render_run
+
+
+def engine_layout(layout: Layout) -> Layout:
+    """The layout as the megatron engine runs it: megatron-core's local (no-TransformerEngine) spec has torch
+    norms, which refuse sequence parallelism ("sequence parallel not supported by torch LayerNorm", seen on the
+    H200), so TP runs without it. Its experts are grouped GEMMs where ETP is 1 (layout.grouped_experts)."""
+    return replace(layout, sequence_parallel=False)
 
 
 def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, seq: int,
@@ -39,16 +47,19 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
     params = count_parameters(spec)
     job = Job(spec, seq, gbs, shape.world)
     if given is not None:
-        verdict = judge(params, job, replace(given, grouped_gemm=False), shape, hardware)  # no TE: SequentialMLP
+        if given.sequence_parallel and given.tp > 1:
+            raise BadInput("sequence parallelism needs TransformerEngine's norms, and the megatron engine runs "
+                           "megatron-core without TransformerEngine", hint="drop sp=1 (TP runs without it)")
+        verdict = judge(params, job, engine_layout(given), shape, hardware)
         if verdict.violations:
             reasons = "; ".join(f"[{v.rule}] {v.reason}" for v in verdict.violations)
             raise BadInput(f"layout {given.short()} cannot run: {reasons}",
                            hint=f"stepdeploy plan -m {spec.name} -i INVENTORY")
     else:
         result = search(spec, shape, hardware, seq, gbs)
-        # The megatron engine runs stock megatron-core without TransformerEngine (no CP, SequentialMLP
-        # experts) and one model chunk per stage (no VPP yet).
-        runnable = [judge(params, job, replace(v.layout, grouped_gemm=False), shape, hardware)
+        # The megatron engine runs megatron-core without TransformerEngine (no CP, no sequence parallelism)
+        # and one model chunk per stage (no VPP yet).
+        runnable = [judge(params, job, engine_layout(v.layout), shape, hardware)
                     for v in result.fitting if v.layout.cp == 1 and v.layout.vpp == 1]
         runnable = sorted((v for v in runnable if v.fits), key=lambda v: -v.time.tokens_per_second)
         if not runnable:
@@ -91,9 +102,13 @@ def write_run(rendered: RenderedRun, out_dir: Path) -> None:
         raise
 
 
-def build(inventory: str, model: str, layout: str | None, opts: RenderOptions) -> RenderedRun:
-    """Everything up to the text of the files (reads the inventory and catalog; writes nothing)."""
+def build(inventory: str, model: str, layout: str | None, opts: RenderOptions,
+          facts_dir: Path | None = None) -> RenderedRun:
+    """Everything up to the text of the files (reads the inventory, the catalog and the NCCL facts that
+    provisioning saved — `facts_dir`, else the inventory's default facts directory when it exists; writes
+    nothing)."""
     cluster, spec = load_cluster(inventory), load_model(model)
+    facts = facts_for(inventory, [node.name for node in cluster.nodes], facts_dir)
     seq = opts.seq_length or spec.training.seq_length
     gbs = opts.global_batch_size or spec.training.global_batch_size
     chosen, summary = choose_layout(cluster, spec, layout, seq, gbs)
@@ -107,4 +122,4 @@ def build(inventory: str, model: str, layout: str | None, opts: RenderOptions) -
               "layout": {"given": layout, **summary}}
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return render_run(cluster, spec, chosen, opts, inputs=inputs, created=created, version=__version__,
-                      workload_sources=load_workload_sources(), peak_tflops=peak)
+                      workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak)

@@ -22,9 +22,21 @@ class EnvVar:
 
 @dataclass(frozen=True)
 class NodeFacts:
-    """What preflight discovered on a node and the renderer can use (None: not discovered)."""
+    """What provisioning discovered on a node and the renderer uses (None/empty: not discovered).
+
+    `ib_hcas` holds one "dev:port" per selected port, so both halves of a split ConnectX-7 port are two
+    entries; `source` and `sha256` name the facts file they came from (stepdeploy.render.facts)."""
 
     gid_index: int | None = None
+    socket_ifname: str | None = None
+    ib_hcas: tuple[str, ...] = ()
+    gid_indexes: tuple[int, ...] = ()  # every port's RoCE v2 GID index (several: none could be chosen)
+    source: str | None = None
+    sha256: str | None = None
+
+    def found(self, what: str) -> str:
+        where = f" ({self.source})" if self.source else ""
+        return f"{what} found by provisioning{where}"
 
 
 def node_environment(node: Node, node_rank: int, layout: Layout, opts: RenderOptions,
@@ -53,11 +65,18 @@ def _identity(node: Node, node_rank: int, opts: RenderOptions) -> list[EnvVar]:
 
 def _network(node: Node, facts: NodeFacts, notes: list[str]) -> list[EnvVar]:
     env: list[EnvVar] = []
-    iface = node.train_iface
-    if iface:
+    iface = facts.socket_ifname or node.train_iface
+    if facts.socket_ifname:
+        why: tuple[str, ...] = (facts.found(f"training netdev up on {node.name}"),)
+        if node.train_iface and node.train_iface != facts.socket_ifname:
+            notes.append(f"{node.name}: inventory says stepdeploy_train_iface={node.train_iface} but provisioning "
+                         f"found {facts.socket_ifname} up; rendering {facts.socket_ifname}")
+    else:
         why = (f"training interface of {node.name} (inventory stepdeploy_train_iface)",)
+    if iface:
+        ucx = ",".join(facts.ib_hcas) if facts.ib_hcas and node.fabric in ("infiniband", "roce") else iface
         env += [EnvVar("NCCL_SOCKET_IFNAME", iface, why), EnvVar("GLOO_SOCKET_IFNAME", iface),
-                EnvVar("UCX_NET_DEVICES", iface), EnvVar("OMPI_MCA_btl_tcp_if_include", iface)]
+                EnvVar("UCX_NET_DEVICES", ucx), EnvVar("OMPI_MCA_btl_tcp_if_include", iface)]
     else:
         notes.append(f"{node.name}: no stepdeploy_train_iface; NCCL and gloo pick an interface themselves")
     if node.fabric in ("infiniband", "roce"):
@@ -69,12 +88,22 @@ def _network(node: Node, facts: NodeFacts, notes: list[str]) -> list[EnvVar]:
 
 def _rdma(node: Node, facts: NodeFacts, notes: list[str]) -> list[EnvVar]:
     env: list[EnvVar] = []
-    if node.ib_hcas:
-        # '=' makes NCCL match names exactly (mlx5_1 would otherwise also select mlx5_10 ...).
+    # '=' makes NCCL match names exactly (mlx5_1 would otherwise also select mlx5_10 ...).
+    if facts.ib_hcas:
+        env.append(EnvVar("NCCL_IB_HCA", "=" + ",".join(facts.ib_hcas),
+                          (facts.found("RDMA ports (device:port)"), "exact match; every selected port is listed, "
+                           "so both halves of a split port (DGX Spark) are")))
+        declared = {h.split(":")[0] for h in node.ib_hcas}
+        if declared and declared != {h.split(":")[0] for h in facts.ib_hcas}:
+            notes.append(f"{node.name}: inventory stepdeploy_ib_hcas {','.join(node.ib_hcas)} differ from the "
+                         f"ports provisioning found ({','.join(facts.ib_hcas)}); rendering what was found")
+    elif node.ib_hcas:
         env.append(EnvVar("NCCL_IB_HCA", "=" + ",".join(node.ib_hcas),
                           ("RDMA devices of the inventory, exact match; on a DGX Spark both halves of the port",)))
     else:
         notes.append(f"{node.name}: fabric {node.fabric} but no stepdeploy_ib_hcas; NCCL uses every HCA it finds")
+    if facts.source and not facts.ib_hcas:
+        notes.append(f"{node.name}: fabric {node.fabric} but provisioning found no RDMA port ({facts.source})")
     env += [
         EnvVar("NCCL_IB_TIMEOUT", str(IB_TIMEOUT), ("4.096 us x 2^20 = 4.3 s per retry",)),
         EnvVar("NCCL_IB_RETRY_CNT", str(IB_RETRY_CNT),
@@ -82,10 +111,14 @@ def _rdma(node: Node, facts: NodeFacts, notes: list[str]) -> list[EnvVar]:
     ]
     if node.fabric == "roce":
         if facts.gid_index is not None:
-            env.append(EnvVar("NCCL_IB_GID_INDEX", str(facts.gid_index), ("RoCEv2 GID index found by preflight",)))
+            env.append(EnvVar("NCCL_IB_GID_INDEX", str(facts.gid_index), (facts.found("RoCE v2 GID index"),)))
+        elif len(facts.gid_indexes) > 1:
+            notes.append(f"{node.name}: its ports have different RoCE v2 GID indexes "
+                         f"({', '.join(map(str, facts.gid_indexes))}) and NCCL_IB_GID_INDEX is one value; "
+                         "set infiniband_gid_index for the node and provision again")
         else:
-            notes.append(f"{node.name}: RoCE GID index not discovered (run preflight); NCCL_IB_GID_INDEX left "
-                         "to NCCL's own choice rather than hard-coding 3")
+            notes.append(f"{node.name}: RoCE GID index not discovered (stepdeploy provision saves it); "
+                         "NCCL_IB_GID_INDEX left to NCCL's own choice rather than hard-coding 3")
     return env
 
 

@@ -67,6 +67,7 @@ class RenderOptions:
     extra_env: tuple[tuple[str, str], ...] = ()
     peak_tflops: float | None = None  # for MFU; None: the catalog's measured or derated peak
     threads_per_rank: int | None = None  # OMP_NUM_THREADS on CPU nodes
+    executor: str | None = None  # fabric | slurm (adds sbatch.sh); None: the inventory's, else fabric
 
     def __post_init__(self) -> None:
         if not RUN_ID.match(self.run_id):
@@ -76,6 +77,8 @@ class RenderOptions:
             raise BadInput(f"unknown stage {self.stage!r}; use one of {', '.join(STAGE_ITERATIONS)}")
         if self.engine not in (None, "torch", "megatron"):
             raise BadInput(f"unknown engine {self.engine!r}; use torch or megatron")
+        if self.executor not in (None, "fabric", "slurm"):
+            raise BadInput(f"unknown executor {self.executor!r}; use fabric or slurm")
         if self.rendezvous not in ("static", "c10d"):
             raise BadInput(f"unknown rendezvous {self.rendezvous!r}; use static or c10d")
         unknown = [name for name in self.seed_options if name not in SEED_OPTIONS]

@@ -6,6 +6,7 @@ Layout of a run directory (the same locally and on every node):
     workload.json            the workload's configuration (model, layout, schedule, timeouts)
     workload/*.py            the workload program (shipped as files; standard library + torch only)
     nodes/<rank>-<name>/launch.sh, env.sh   one directory per node, started on that node only
+    sbatch.sh                (slurm executor only) the batch script: one srun task per node (or per GPU)
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from stepdeploy.catalog import ModelSpec
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster, Node
 from stepdeploy.plan.layout import Layout
-from stepdeploy.render import templating
+from stepdeploy.render import sbatch, templating
 from stepdeploy.render.environment import NodeFacts, node_environment
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, choose_engine, workload_config
 
-WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "ckpt.py", "metrics.py")
+WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "experts_grouped.py", "ckpt.py", "metrics.py")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -108,6 +109,9 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
               "master_addr": cluster.nodes[0].address, "master_port": opts.master_port,
               "max_restarts": opts.max_restarts}
     for place in placements:
+        if facts is not None and place.node.name not in facts:
+            notes.append(f"{place.node.name}: no NCCL facts saved by provisioning; its interface and HCAs come "
+                         "from the inventory (stepdeploy provision saves them)")
         env, node_notes = node_environment(place.node, place.node_rank, layout, opts,
                                            (facts or {}).get(place.node.name))
         notes += [n for n in node_notes if n not in notes]
@@ -117,7 +121,13 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
                                   "env.sh.j2", node=place.node.name))
         files.append(RenderedFile(place.launch_script, templating.render("launch.sh.j2", **values),
                                   "launch.sh.j2", executable=True, node=place.node.name))
-    manifest = _manifest(opts, inputs, created, version, files, placements, notes, layout, engine)
+    slurm = sbatch.executor_kind(cluster, opts) == "slurm"
+    if slurm:
+        files.append(RenderedFile(sbatch.SBATCH_SCRIPT, sbatch.render_sbatch(cluster, opts, placements, common, nproc),
+                                  "sbatch.sh.j2", executable=True))
+    manifest = _manifest(opts, inputs, created, version, files, placements, notes, layout, engine, facts or {})
+    if slurm:
+        manifest |= sbatch.manifest_entry(cluster, opts, nproc)
     files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest),
                               "manifest.json.j2"))
     return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload)
@@ -125,7 +135,7 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
 
 def _manifest(opts: RenderOptions, inputs: dict[str, Any], created: str, version: str,
               files: list[RenderedFile], placements: tuple[Placement, ...], notes: list[str], layout: Layout,
-              engine: str) -> dict[str, Any]:
+              engine: str, facts: dict[str, NodeFacts]) -> dict[str, Any]:
     return {
         "format": 1,
         "run_id": opts.run_id,
@@ -136,10 +146,17 @@ def _manifest(opts: RenderOptions, inputs: dict[str, Any], created: str, version
         "stage": opts.stage,
         "run_dir": opts.run_dir,
         "inputs": inputs,
-        "nodes": [{"name": p.node.name, "address": p.node.address, "node_rank": p.node_rank, "dir": p.node_dir}
-                  for p in placements],
+        "nodes": [{"name": p.node.name, "address": p.node.address, "node_rank": p.node_rank, "dir": p.node_dir,
+                   **_facts_entry(facts.get(p.node.name))} for p in placements],
         "files": [{"path": f.path, "sha256": f.sha256, "from": f"templates/{f.template}" if f.template
                    else "stepdeploy/workload", "template_sha256": templating.template_sha256(f.template)
                    if f.template else None, "node": f.node} for f in files],
         "notes": notes,
     }
+
+
+def _facts_entry(facts: NodeFacts | None) -> dict[str, Any]:
+    """The facts file that fed a node (only for facts read from a file: renders without facts stay as they were)."""
+    if facts is None or facts.source is None:
+        return {}
+    return {"facts": {"path": facts.source, "sha256": facts.sha256}}

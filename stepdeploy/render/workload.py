@@ -92,6 +92,9 @@ def _parallel(layout: Layout) -> dict[str, Any]:
         "overlap_param_gather": layout.param_gather_overlap,
         "dispatcher": layout.dispatcher,
         "grouped_gemm": layout.grouped_gemm,
+        # megatron engine's MoE experts: torch._grouped_mm (experts_grouped.py, ETP 1 only) or SequentialMLP
+        "experts": "grouped_mm" if layout.grouped_experts else "sequential",
+        "cross_entropy_fusion": layout.cross_entropy_fusion,
         "first_stage_layers": layout.first_stage_layers,
         "last_stage_layers": layout.last_stage_layers,
     }

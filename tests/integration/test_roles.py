@@ -9,9 +9,11 @@ what `--limit node1,node2` must not touch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from stepdeploy import ansible_run
+from stepdeploy.provision.runner import ProvisionRequest, extravars
+from stepdeploy.render.facts import default_facts_dir
 from stepdeploy.sim import mirror, repo, standins
 from stepdeploy.sim.cluster import SimConfig, down, up
 from stepdeploy.sim.state import SimState
@@ -120,9 +124,15 @@ def test_check_mode_on_a_fresh_node_changes_nothing(cluster: RolesCluster, tmp_p
     _absent(cluster, FRESH)
 
 
+def _facts_dir(cluster: RolesCluster) -> Path:
+    """Where `stepdeploy provision` brings the nodes' NCCL facts (and `stepdeploy render` reads them)."""
+    return default_facts_dir(cluster.cfg.inventory)
+
+
 def test_site_provisions_two_nodes(cluster: RolesCluster, tmp_path: Path) -> None:
     start = time.monotonic()
-    runner = cluster.playbook(tmp_path, limit=",".join(PROVISIONED))
+    runner = cluster.playbook(tmp_path, limit=",".join(PROVISIONED), extravars=extravars(
+        ProvisionRequest(inventory=cluster.cfg.inventory)))
     cluster.timings["first"] = time.monotonic() - start
     assert runner.rc == 0, _events_failed(runner)
     assert set(runner.stats["ok"]) == set(PROVISIONED)
@@ -132,7 +142,8 @@ def test_site_provisions_two_nodes(cluster: RolesCluster, tmp_path: Path) -> Non
 
 def test_second_run_changes_nothing(cluster: RolesCluster, tmp_path: Path) -> None:
     start = time.monotonic()
-    runner = cluster.playbook(tmp_path, limit=",".join(PROVISIONED))
+    runner = cluster.playbook(tmp_path, limit=",".join(PROVISIONED), extravars=extravars(
+        ProvisionRequest(inventory=cluster.cfg.inventory)))
     cluster.timings["rerun"] = time.monotonic() - start
     assert runner.rc == 0, _events_failed(runner)
     changed = [f"{e['event_data']['host']}: {e['event_data']['task']}" for e in runner.events
@@ -214,14 +225,35 @@ def test_nvidia_standins_pinned_and_held(cluster: RolesCluster) -> None:
         assert cluster.sh(name, "readlink /usr/local/cuda").stdout.strip() == "/usr/local/cuda-12.3"
 
 
-def test_nccl_facts_saved_for_the_launch_templates(cluster: RolesCluster) -> None:
+def test_nccl_facts_saved_for_the_launch_templates(cluster: RolesCluster, tmp_path: Path) -> None:
     for name in PROVISIONED:
-        facts = json.loads(cluster.sh(name, f"cat {NCCL_FACTS}").stdout)
+        on_node = cluster.sh(name, f"cat {NCCL_FACTS}").stdout
+        assert (_facts_dir(cluster) / f"{name}.json").read_text() == on_node, "provisioning brings the facts back"
+        facts = json.loads(on_node)
         assert facts["socket_ifname"] == "eth0"
         assert facts["hcas"] == [] and facts["ib_hca"] is None and facts["gid_index"] is None
         assert facts["netdevs"] == [{"name": "eth0", "present": True, "operstate": "up", "mtu": 9000}]
         assert facts["env"] == {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0",
                                 "OMPI_MCA_btl_tcp_if_include": "eth0"}
+    assert not (_facts_dir(cluster) / f"{FRESH}.json").exists(), "node3 was not provisioned"
+    # `stepdeploy render` finds them next to the inventory: env.sh says where NCCL_SOCKET_IFNAME came from,
+    # the manifest names each node's facts file with its hash, and node3 is rendered from the inventory.
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "stepdeploy", "render", "-i", str(cluster.cfg.inventory), "-m",
+                          "tiny-dense", "--seq", "64", "--gbs", "6", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    for rank, node in enumerate(manifest["nodes"]):
+        saved = _facts_dir(cluster) / f"{node['name']}.json"
+        env = (out / node["dir"] / "env.sh").read_text()
+        if node["name"] in PROVISIONED:
+            assert node["facts"] == {"path": str(saved), "sha256": hashlib.sha256(saved.read_bytes()).hexdigest()}
+            assert f"found by provisioning ({saved})\nexport NCCL_SOCKET_IFNAME=eth0\n" in env, env
+        else:
+            assert "facts" not in node and "(inventory stepdeploy_train_iface)\nexport NCCL_SOCKET_IFNAME=eth0" in env
+            assert f"{FRESH}: no NCCL facts saved by provisioning" in res.stderr
+        assert rank == node["node_rank"]
 
 
 def test_conda_path_in_check_mode(cluster: RolesCluster, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stepdeploy.catalog import load_model
-from stepdeploy.inventory.model import Cluster, Node
+from stepdeploy.inventory.model import Cluster, Node, SlurmSettings
 from stepdeploy.plan.layout import Layout
 from stepdeploy.render import NodeFacts, RenderedRun, RenderOptions, render_run
 
@@ -51,4 +51,24 @@ def case_spark_roce() -> RenderedRun:
     return render(nodes, "proxy-0.7b-dense", Layout(), opts, facts={"spark-0": NodeFacts(gid_index=3)})
 
 
-CASES = {"sim-cpu": case_sim_cpu, "hgx-h100-seed-options": case_hgx_seed, "spark-roce": case_spark_roce}
+def case_slurm_sim_cpu() -> RenderedRun:
+    """The slurm executor on the simulated cluster: one task per node running its launch.sh (torchrun)."""
+    slurm = Cluster(source=Path("golden.ini"), nodes=cpu_nodes(), executor="slurm")
+    opts = RenderOptions(run_id="golden-slurm-cpu", stage="soak", iterations=20, seq_length=64, global_batch_size=8,
+                         save_interval=5)
+    return render_run(slurm, load_model("tiny-dense"), Layout(mbs=2), opts, inputs=INPUTS, created=CREATED,
+                      version=VERSION, workload_sources=SOURCES, peak_tflops=790.0)
+
+
+def case_slurm_hgx_per_gpu() -> RenderedRun:
+    """The slurm executor chosen by option on 2 x 8 H100: one task per GPU (GRES), a named partition."""
+    nodes = [Node(name=f"hgx-{i}", address=f"192.0.2.{31 + i}", gpus_per_node=8, gpu_model="H100",
+                  train_iface="ib0", fabric="infiniband", ib_hcas=[f"mlx5_{k}" for k in range(4)]) for i in range(2)]
+    slurm = Cluster(source=Path("golden.ini"), nodes=nodes, slurm=SlurmSettings(partition="gpu", tasks="gpu"))
+    opts = RenderOptions(run_id="golden-slurm-hgx", executor="slurm")
+    return render_run(slurm, load_model("proxy-0.7b-moe"), Layout(tp=2, ep=4, mbs=1), opts, inputs=INPUTS,
+                      created=CREATED, version=VERSION, workload_sources=SOURCES, peak_tflops=790.0)
+
+
+CASES = {"sim-cpu": case_sim_cpu, "hgx-h100-seed-options": case_hgx_seed, "spark-roce": case_spark_roce,
+         "slurm-sim-cpu": case_slurm_sim_cpu, "slurm-hgx-per-gpu": case_slurm_hgx_per_gpu}

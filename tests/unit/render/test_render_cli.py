@@ -74,9 +74,21 @@ def test_gpu_inventory_gets_the_planners_layout_for_the_megatron_engine(tmp_path
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["engine"] == "megatron" and manifest["inputs"]["layout"]["planner"] == "chosen"
     workload = json.loads((out / "workload.json").read_text())
-    assert workload["parallel"]["cp"] == 1 and workload["parallel"]["grouped_gemm"] is False
+    assert workload["parallel"]["cp"] == 1 and workload["parallel"]["experts"] == "grouped_mm"
+    assert workload["parallel"]["sequence_parallel"] is False and workload["parallel"]["cross_entropy_fusion"] is True
     assert workload["peak_tflops"] == 790.0
     assert "NCCL_NVLS_ENABLE=0" in (out / "nodes/0-h200/env.sh").read_text()
+
+
+def test_tensor_parallel_renders_without_sequence_parallelism_and_refuses_it_when_asked(tmp_path: Path) -> None:
+    """megatron-core's local spec has torch norms, which refuse sequence parallelism (seen on the H200)."""
+    res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-dense", "--out", str(tmp_path / "tp"), "--layout", "tp=2,mbs=4")
+    assert res.exit_code == 0, res.output
+    parallel = json.loads((tmp_path / "tp" / "workload.json").read_text())["parallel"]
+    assert parallel["tp"] == 2 and parallel["sequence_parallel"] is False
+    res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-dense", "--out", str(tmp_path / "sp"), "--layout", "tp=2,sp=1")
+    assert isinstance(res.exception, BadInput) and "TransformerEngine" in res.exception.message
+    assert not (tmp_path / "sp").exists()
 
 
 def test_invalid_layout_names_the_rule(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ export NCCL_IB_HCA='=rocep1s0f1,roceP2p1s0f1'
 export NCCL_IB_TIMEOUT=20
 # retries before a queue pair errors (~34 s in all at NCCL_IB_TIMEOUT 20)
 export NCCL_IB_RETRY_CNT=7
-# RoCEv2 GID index found by preflight
+# RoCE v2 GID index found by provisioning
 export NCCL_IB_GID_INDEX=3
 # a failed or timed-out collective tears the process down instead of hanging
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3

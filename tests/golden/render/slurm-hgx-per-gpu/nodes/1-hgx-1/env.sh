@@ -1,0 +1,30 @@
+# shellcheck shell=bash
+# Rendered by stepdeploy 0.0.0-golden from templates/env.sh.j2 -- do not edit; render again.
+# Environment of node "hgx-1" (node rank 1); sourced by launch.sh.
+
+# the run's identity; stop and poll find this run's processes by STEPDEPLOY_RUN_ID
+export STEPDEPLOY_RUN_ID=golden-slurm-hgx
+export STEPDEPLOY_RUN_DIR=/var/lib/stepdeploy/runs/golden-slurm-hgx
+export STEPDEPLOY_NODE_NAME=hgx-1
+export STEPDEPLOY_NODE_RANK=1
+# log lines reach the log file as they are printed
+export PYTHONUNBUFFERED=1
+# training interface of hgx-1 (inventory stepdeploy_train_iface)
+export NCCL_SOCKET_IFNAME=ib0
+export GLOO_SOCKET_IFNAME=ib0
+export UCX_NET_DEVICES=ib0
+export OMPI_MCA_btl_tcp_if_include=ib0
+# RDMA devices of the inventory, exact match; on a DGX Spark both halves of the port
+export NCCL_IB_HCA='=mlx5_0,mlx5_1,mlx5_2,mlx5_3'
+# 4.096 us x 2^20 = 4.3 s per retry
+export NCCL_IB_TIMEOUT=20
+# retries before a queue pair errors (~34 s in all at NCCL_IB_TIMEOUT 20)
+export NCCL_IB_RETRY_CNT=7
+# a failed or timed-out collective tears the process down instead of hanging
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
+# torch's NCCL watchdog: kill a rank whose collectives made no progress for this long
+export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=480
+# fewer fragmentation OOMs with changing shapes (MoE routing)
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# one hardware queue keeps TP/sequence-parallel comm ordered ahead of compute
+export CUDA_DEVICE_MAX_CONNECTIONS=1

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Rendered by stepdeploy 0.0.0-golden from templates/launch.sh.j2 -- do not edit; render again.
+# Node "hgx-1" (node rank 1 of 2), run "golden-slurm-hgx".
+# The controller starts this detached (setsid nohup), so this script leads its own session and
+# process group; it records its PID, runs torchrun, and records torchrun's exit code atomically.
+set -uo pipefail
+
+run_dir=/var/lib/stepdeploy/runs/golden-slurm-hgx
+node_dir="$run_dir"/nodes/1-hgx-1
+cd -- "$run_dir" || exit 2
+mkdir -p -- "$run_dir/out" "$run_dir/logs"
+rm -f -- "$node_dir/exit_code"
+printf '%s\n' "$$" > "$node_dir/launch.pid"
+
+# shellcheck source=/dev/null
+. "$node_dir/env.sh"
+
+launcher=(
+  /opt/stepdeploy/venv/bin/python -m torch.distributed.run
+  --nnodes=2
+  --nproc-per-node=8
+  --node-rank=1
+  --master-addr=192.0.2.31
+  --master-port=29500
+  --max-restarts=0
+  --monitor-interval=1
+)
+workload=(
+  "$run_dir/workload/train.py"
+  --config "$run_dir/workload.json"
+  --out-dir "$run_dir/out"
+)
+
+set +e
+"${launcher[@]}" "${workload[@]}" &
+child=$!
+# Forward a stop to torchrun, which stops its workers (they run in sessions of their own).
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT HUP
+wait "$child"
+rc=$?
+while kill -0 "$child" 2>/dev/null; do
+  wait "$child"
+  rc=$?
+done
+printf '%s\n' "$rc" > "$node_dir/exit_code.tmp" && mv -f -- "$node_dir/exit_code.tmp" "$node_dir/exit_code"
+exit "$rc"

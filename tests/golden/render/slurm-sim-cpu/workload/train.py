@@ -1,0 +1,1 @@
+# workload stand-in for golden files
