@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from stepdeploy.errors import BadInput
-from stepdeploy.inventory.ansible_source import read_inventory
-from stepdeploy.inventory.model import Cluster, Node
-from stepdeploy.inventory.nodes import build_node, wanted
+from stepdeploy.inventory.ansible_source import RawHost, read_inventory
+from stepdeploy.inventory.model import Cluster, Node, SlurmSettings
+from stepdeploy.inventory.nodes import CLUSTER_VARS, build_node, cluster_settings, wanted
 from stepdeploy.stack import get_profile
 
 EXAMPLE = "inventory/dgx.ini"
@@ -38,8 +39,28 @@ def _load(source: Path) -> Cluster:
     nodes = [node for node, _ in built]
     _check_unique_addresses(source, nodes)
     profile = _shared_profile(source, [(node.name, name) for node, name in built])
+    settings = _shared_settings(source, raw.hosts)
+    slurm = SlurmSettings(controller=settings.get("stepdeploy_slurm_controller"),
+                          partition=settings.get("stepdeploy_slurm_partition"),
+                          tasks=settings.get("stepdeploy_slurm_tasks", "node"))
     return Cluster(source=source, nodes=nodes, profile=get_profile(profile) if profile else None,
-                   warnings=raw.warnings)
+                   warnings=raw.warnings, executor=settings.get("stepdeploy_executor"), slurm=slurm)
+
+
+def _shared_settings(source: Path, hosts: list[RawHost]) -> dict[str, Any]:
+    """The cluster-wide variables (executor, Slurm): one value for all hosts, or one BadInput line."""
+    declared = [cluster_settings(host, source) for host in hosts]
+    result: dict[str, Any] = {}
+    for key in CLUSTER_VARS:
+        values = {found[key][0] for found in declared if key in found}
+        if len(values) > 1 or (values and any(key not in found for found in declared)):
+            listing = ", ".join(f"{h.name}={found[key][0] if key in found else '(none)'}"
+                                for h, found in zip(hosts, declared, strict=True))
+            raise BadInput(f"{source}: {key} differs between hosts ({listing}); it is one setting of the "
+                           "whole cluster: set it once in group_vars/all.yml or [all:vars]")
+        if values:
+            result[key] = values.pop()
+    return result
 
 
 def _check_file(source: Path) -> None:

@@ -12,6 +12,8 @@ from stepdeploy.stack import StackProfile
 Connection = Literal["ssh", "local"]
 Arch = Literal["x86_64", "aarch64"]
 Fabric = Literal["infiniband", "roce", "ethernet"]
+ExecutorKind = Literal["fabric", "slurm"]
+SlurmTasks = Literal["node", "gpu"]
 
 
 class SshSettings(BaseModel):
@@ -44,6 +46,16 @@ class Node(BaseModel):
     ib_hcas: list[str] = []  # NCCL_IB_HCA; for RoCE on a DGX Spark both halves of the port
 
 
+class SlurmSettings(BaseModel):
+    """How runs go through Slurm (inventory `stepdeploy_slurm_*`); used when the executor is slurm."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    controller: str | None = None  # where sbatch/squeue/scancel run: a node's name or a host; None: the first node
+    partition: str | None = None  # None: the cluster's default partition
+    tasks: SlurmTasks = "node"  # one task per node (running torchrun) or one task per GPU
+
+
 class Cluster(BaseModel):
     """All nodes of one inventory and the one stack profile they share."""
 
@@ -53,6 +65,8 @@ class Cluster(BaseModel):
     nodes: list[Node]
     profile: StackProfile | None = None  # None: the inventory names no stepdeploy_profile
     warnings: list[str] = []  # ansible warnings that did not stop parsing (e.g. odd group names)
+    executor: ExecutorKind | None = None  # inventory stepdeploy_executor; None: fabric (SSH)
+    slurm: SlurmSettings = SlurmSettings()
 
     def node(self, name: str) -> Node:
         """The node called `name` (KeyError if there is none)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,13 @@ from stepdeploy.stack import did_you_mean, profile_names
 STEPDEPLOY_VARS = (
     "stepdeploy_gpus_per_node", "stepdeploy_gpu_model", "stepdeploy_arch", "stepdeploy_train_iface",
     "stepdeploy_fabric", "stepdeploy_ib_hcas", "stepdeploy_profile", "stepdeploy_ssh_known_hosts",
+    *("stepdeploy_executor", "stepdeploy_slurm_controller", "stepdeploy_slurm_partition", "stepdeploy_slurm_tasks"),
+    "stepdeploy_slurm",  # playbooks/site.yml: run the slurm role on every host (no `slurm` group)
 )
+# Cluster-wide settings: every host must agree (set them once in group_vars/all.yml or [all:vars]).
+CLUSTER_VARS = ("stepdeploy_executor", "stepdeploy_slurm_controller", "stepdeploy_slurm_partition",
+                "stepdeploy_slurm_tasks")
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Ansible's connection variables we read, newest spelling first (ansible accepts the older aliases too).
 HOST_VARS = ("ansible_host", "ansible_ssh_host")
 PORT_VARS = ("ansible_port", "ansible_ssh_port")
@@ -84,6 +91,25 @@ def build_node(raw: RawHost, source: Path) -> tuple[Node, str | None]:
         ib_hcas=host.read("stepdeploy_ib_hcas", v.read_hcas) or [],
     )
     return node, host.read("stepdeploy_profile", _read_profile_name)
+
+
+def cluster_settings(raw: RawHost, source: Path) -> dict[str, tuple[Any, str]]:
+    """The cluster-wide settings this host declares: variable -> (typed value, where it was set)."""
+    host = HostVars(raw, source)
+    readers: dict[str, Callable[[Any], Any]] = {
+        "stepdeploy_executor": lambda x: v.read_choice(x, {"fabric": "fabric", "ssh": "fabric", "slurm": "slurm"}),
+        "stepdeploy_slurm_controller": v.read_address,
+        "stepdeploy_slurm_partition": _read_slurm_name,
+        "stepdeploy_slurm_tasks": lambda x: v.read_choice(x, {"node": "node", "gpu": "gpu"}),
+    }
+    found = {key: host.read(key, reader) for key, reader in readers.items()}
+    return {key: (value, host.where(key)) for key, value in found.items() if value is not None}
+
+
+def _read_slurm_name(value: Any) -> str:
+    if not isinstance(value, str) or not _SLURM_NAME.match(value.strip()):
+        raise v.ValueProblem("is not a Slurm partition name", "use letters, digits, '_', '-', '.' (at most 64)")
+    return value.strip()
 
 
 def _check_unknown_vars(host: HostVars) -> None:

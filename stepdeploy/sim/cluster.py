@@ -198,6 +198,9 @@ common_sysctl_apply=false
 python_env_pip_find_links={repo.url(sim)}/wheels/
 python_env_pip_no_index=true
 python_env_pip_trusted_hosts={sim.bridge_address}
+# Slurm (the optional role slurm): simulated nodes have no cgroup filesystem.
+slurm_proctrack_type=proctrack/linuxproc
+slurm_task_plugin=task/none
 """
 
 

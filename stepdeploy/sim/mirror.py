@@ -19,10 +19,11 @@ from pathlib import Path
 
 from stepdeploy.sim import base, host
 
-# What the roles install from the distribution (common, infiniband). Debian and Ubuntu use these names.
+# What the roles install from the distribution (common, infiniband, slurm). Debian and Ubuntu use these names.
 ROLE_PACKAGES: tuple[str, ...] = (
     "chrony", "pciutils", "numactl",                                  # common
     "rdma-core", "ibverbs-utils", "infiniband-diags", "perftest",     # infiniband
+    "munge", "slurmctld", "slurmd", "slurm-client",                   # slurm
 )
 _KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 _DONE = ".stepdeploy-debs.json"
