@@ -18,6 +18,7 @@ from stepdeploy.inventory import load_cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
 from stepdeploy.rollout import gates
 from stepdeploy.rollout.config import RolloutConfig, StageFailed
+from stepdeploy.rollout.inject import parse_all as parse_injections
 from stepdeploy.rollout.ladder import parse_stages, scale_ladder, target_rung
 
 app = typer.Typer(help="Staged rollout: warmup, scaling ladder, soak — gated, resumable, recorded in a ledger.",
@@ -53,7 +54,14 @@ def run_cmd(
     executor: str | None = typer.Option(None, "--executor", help="fabric (SSH) or slurm (default: the "
                                         "inventory's stepdeploy_executor, else fabric)."),
     inject: list[str] = typer.Option([], "--inject", help="Soak fault, repeatable: kill:rank=last@10m, "
-                                     "hang:rank=0@20m, link-down:node=2@30m,for=90s, node-loss:node=2@40m."),
+                                     "hang:rank=0@20m, link-down:node=2@30m,for=90s, node-loss:node=2@40m "
+                                     "(times from the soak's start; rank: N|first|last; node: 1-based "
+                                     "index|name|first|last)."),
+    heartbeat_timeout: str = typer.Option("180s", "--heartbeat-timeout", help="Soak: a rank without a heartbeat "
+                                          "this long is hung (longer than a checkpoint save)."),
+    monitor_interval: str = typer.Option("5s", "--monitor-interval", help="Soak: how often the monitors read "
+                                         "every node."),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="Soak: restarts from checkpoint allowed."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print every stage, rung and gate; start nothing."),
 ) -> None:
     """Start a rollout. Exit 0 all stages passed, 1 a gate failed (resume with `rollout resume RUN`)."""
@@ -62,8 +70,17 @@ def run_cmd(
                            soak_duration_s=parse_duration(soak_duration), checkpoint_interval=checkpoint_interval,
                            pg_timeout_s=pg_timeout, seq_length=seq, global_batch_size=gbs,
                            executor=executor, inject=tuple(inject),
+                           heartbeat_timeout_s=parse_duration(heartbeat_timeout),
+                           monitor_interval_s=parse_duration(monitor_interval), soak_max_restarts=max_restarts,
                            thresholds=gates.Thresholds(min_scaling_efficiency=min_scaling_efficiency,
                                                        max_step_time_s=max_step_time))
+    parse_injections(config.inject)  # a bad --inject exits 2 before anything starts
+    if config.heartbeat_timeout_s <= 0 or config.monitor_interval_s <= 0:
+        raise BadInput("--heartbeat-timeout and --monitor-interval must be longer than 0 s")
+    if executor not in (None, "fabric", "slurm"):
+        raise BadInput(f"--executor {executor!r} is not an executor; use fabric or slurm")
+    if config.inject and "soak" not in config.stages:
+        raise BadInput("--inject acts during the soak; add soak to --stages")
     run_id = (run_dir.name if run_dir else f"{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     run_dir = run_dir or Path("runs") / run_id
     if dry_run:
@@ -172,12 +189,13 @@ def stop_cmd(run_dir: Path = RUN) -> None:
     cluster = load_cluster(config.inventory)
     from stepdeploy.rollout.attempt import executor_for
 
+    running = [a for a in ledger.attempts(run_id) if a["status"] == "running"]
+    _let_the_controller_stop(run_dir, ledger, [a["id"] for a in running])
     left = []
-    for attempt in ledger.attempts(run_id):
-        if attempt["status"] == "running":
-            with executor_for(cluster, Path(attempt["detail"]["local_run"])) as executor:
-                results = executor.stop()
-            left += [f"{r.node}: {r.detail}" for r in results if not r.ok]
+    for attempt in running:  # (again) stop and prove: the job cancelled (slurm), no process left on any node
+        with executor_for(cluster, Path(attempt["detail"]["local_run"])) as executor:
+            results = executor.stop()
+        left += [f"{r.node}: {r.detail}" for r in results if not r.ok]
     try:
         with controller_lock(run_dir):  # no controller: record the stop ourselves
             for attempt in ledger.attempts(run_id):
@@ -192,6 +210,27 @@ def stop_cmd(run_dir: Path = RUN) -> None:
     if left:
         raise StepdeployError("processes still running after stop: " + "; ".join(left))
     info(f"stopped {run_id}; nothing of it runs on any node")
+
+
+def _let_the_controller_stop(run_dir: Path, ledger: Ledger, attempt_ids: list[int], wait_s: float = 90.0) -> None:
+    """A running controller sees STOP at its next poll and stops its attempt itself; stopping the processes
+    under it first would look like a failed run to it (and a soak would restart it). Wait for that."""
+    try:
+        with controller_lock(run_dir):
+            return  # no controller
+    except LedgerLocked:
+        pass
+    info("a controller is running this rollout; waiting for it to stop its attempt")
+    until = time.monotonic() + wait_s
+    while time.monotonic() < until:
+        states = {a["id"]: a["status"] for a in ledger.attempts(ledger.run_ids()[-1])}
+        if all(states.get(i) != "running" for i in attempt_ids):
+            return
+        try:
+            with controller_lock(run_dir):
+                return  # the controller has exited
+        except LedgerLocked:
+            time.sleep(1.0)
 
 
 @app.command("list", epilog="Example: stepdeploy rollout list --runs runs")
@@ -230,7 +269,15 @@ def _print_plan(config: RolloutConfig) -> None:
     if "soak" in config.stages:
         plan["soak"] = {**target_rung(cluster, config.model).as_dict(), "duration_s": config.soak_duration_s,
                         "checkpoint_interval": config.checkpoint_interval, "max_restarts": config.soak_max_restarts,
-                        "gates": ["no_unrecovered_failure", "loss_finite"]}
+                        "heartbeat_timeout_s": config.heartbeat_timeout_s,
+                        "monitor_interval_s": config.monitor_interval_s,
+                        "gates": ["no_unrecovered_failure", "loss_finite"],
+                        "inject": [i.to_json() for i in parse_injections(config.inject)]}
     plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
                         "(torchrun; see `stepdeploy render`)")
+    if (config.executor or cluster.executor) == "slurm":
+        controller = cluster.slurm.controller or cluster.nodes[0].name
+        plan["commands"] = (f"on {controller}: sbatch --parsable <run>/sbatch.sh (one srun task per "
+                            f"{cluster.slurm.tasks}: the node's launch.sh or one rank per GPU); squeue/sacct to "
+                            "follow, scancel to stop")
     out.print(json.dumps(plan, indent=2), markup=False)

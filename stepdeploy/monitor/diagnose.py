@@ -75,6 +75,10 @@ SIGNATURES = (
     _sig("nccl_error", r"NCCL error|ncclSystemError|ncclInternalError|ncclRemoteError|ncclUnhandledCudaError",
          "NCCL reported a communication error",
          "rerun with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET; check the interfaces NCCL picked"),
+    _sig("killed", r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)|\bKilled process \d+|oom-kill",
+         "a worker was killed with SIGKILL (the kernel's OOM killer, an operator, or an injected fault)",
+         "dmesg | grep -i -e oom -e 'Killed process' on the node; if it was the OOM killer, lower host memory use "
+         "(data-loader workers, pinned memory) or add memory"),
     _sig("segfault", r"Segmentation fault|SIGSEGV|signal 11\b",
          "a process crashed (segmentation fault)",
          "get the native stack (faulthandler, gdb core); often a mismatched extension build (flash-attn, TE)"),

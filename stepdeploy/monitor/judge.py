@@ -11,6 +11,7 @@ from __future__ import annotations
 from stepdeploy.monitor.model import Finding, GpuSample, IbPort, NetDev, NodeSample, Severity, Thresholds
 from stepdeploy.monitor.parse_gpu import gpu_for_xid
 from stepdeploy.monitor.parse_host import (
+    CARRIER_DOWN,
     IB_ERROR_COUNTERS,
     IB_RETRANSMIT_COUNTERS,
     NETDEV_DROP_STATS,
@@ -120,6 +121,10 @@ def _netdev_pair(before: NetDev, after: NetDev, limits: Thresholds) -> list[Find
     if before.operstate == "up" and after.operstate != "up":
         found.append(Finding("link", FAIL, after.name, f"interface {before.operstate} -> {after.operstate}",
                              fix=LINK_FIX))
+    flaps = delta(before.stats.get(CARRIER_DOWN), after.stats.get(CARRIER_DOWN))
+    if flaps and CARRIER_DOWN in before.stats:  # down and up again between two samples: operstate misses it
+        found.append(Finding("link", FAIL, after.name, f"link went down {flaps} time(s) since the previous sample "
+                             f"(now {after.operstate})", fix=LINK_FIX))
     for name in NETDEV_ERROR_STATS + NETDEV_DROP_STATS:
         rise = delta(before.stats.get(name), after.stats.get(name))
         limit = limits.netdev_drops_per_interval if name in NETDEV_DROP_STATS else 0

@@ -129,6 +129,7 @@ class NodeSample:
     heartbeats: tuple[Heartbeat, ...] = ()
     ranks: tuple[RankFile, ...] = ()
     metrics: tuple[MetricsRow, ...] = ()
+    rank_proc_states: dict[int, str] = field(default_factory=dict)  # rank -> process state (R, S, D, T...)
     errors: dict[str, str] = field(default_factory=dict)
 
     def gpu(self, index: int) -> GpuSample | None:

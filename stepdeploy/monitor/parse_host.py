@@ -17,6 +17,7 @@ IB_INFO_COUNTERS = ("port_xmit_wait", "port_xmit_data", "port_rcv_data")  # expo
 IB_RETRANSMIT_COUNTERS = ("local_ack_timeout_err", "packet_seq_err", "out_of_sequence", "rnr_nak_retry_err")
 NETDEV_ERROR_STATS = ("rx_errors", "tx_errors", "rx_crc_errors", "rx_frame_errors", "tx_carrier_errors")
 NETDEV_DROP_STATS = ("rx_dropped", "tx_dropped")
+CARRIER_DOWN = "carrier_down_count"  # /sys/class/net/IF/carrier_down_count: how often the link went down
 
 
 def _sysfs_lines(text: str) -> list[tuple[list[str], str]]:
@@ -63,6 +64,8 @@ def parse_netdevs(text: str) -> tuple[NetDev, ...]:
     for parts, value in _sysfs_lines(text):
         if len(parts) == 2 and parts[1] == "operstate":
             state[parts[0]] = value
+        elif len(parts) == 2 and parts[1] == CARRIER_DOWN and _int(value) is not None:
+            stats[parts[0]][CARRIER_DOWN] = _int(value)  # type: ignore[assignment]
         elif len(parts) == 3 and parts[1] == "statistics" and _int(value) is not None:
             stats[parts[0]][parts[2]] = _int(value)  # type: ignore[assignment]
     names = sorted(set(state) | set(stats))

@@ -54,6 +54,16 @@ def parse_statuses(text: str) -> tuple[RankFile, ...]:
     return tuple(sorted(files, key=lambda f: f.rank))
 
 
+def parse_proc_states(text: str) -> dict[int, str]:
+    """`rank<R> <pid> <state>` lines -> {rank: state letter from /proc/<pid>/stat}."""
+    states = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0].startswith("rank") and parts[0][4:].isdigit():
+            states[int(parts[0][4:])] = parts[2]
+    return states
+
+
 def parse_metrics(text: str) -> tuple[MetricsRow, ...]:
     rows = []
     for line in text.splitlines():

@@ -19,6 +19,7 @@ from stepdeploy.monitor.model import NodeSample
 
 MARK = "@@stepdeploy-monitor@@"
 NO_TOOL_RC = 127  # nvidia-smi absent: a CPU node, not an error
+OPTIONAL_SECTIONS = ("procs",)  # a hint (which stuck rank is stopped); outputs recorded before it lack it
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,23 @@ def _kernel_log(spec: ProbeSpec) -> str:
 
 def _net(spec: ProbeSpec) -> str:
     names = [shlex.quote(i) for i in spec.ifaces] or ["*"]
-    files = " ".join(f"{n}/operstate {n}/statistics/*" for n in names)
+    files = " ".join(f"{n}/operstate {n}/carrier_down_count {n}/statistics/*" for n in names)
     return f"cd /sys/class/net && grep -s -H . {files}; exit 0"
 
 
 def _rank_files(directory: str) -> str:
     return (f"cd {shlex.quote(directory)} 2>/dev/null || exit 0; for f in rank*; do [ -f \"$f\" ] && "
             "printf '%s %s\\n' \"$f\" \"$(tr -d '\\n' < \"$f\")\"; done; exit 0")
+
+
+def _proc_states(directory: str) -> str:
+    # Each rank's process state (R, S, D, T...): a SIGSTOPped (T) or uninterruptible (D) rank among ranks
+    # whose heartbeats all stopped is the stuck one; its peers sleep (S) in their collectives.
+    return (f"cd {shlex.quote(directory)} 2>/dev/null || exit 0; for f in rank*.json; do "
+            "pid=$(sed -n 's/.*\"pid\": *\\([0-9][0-9]*\\).*/\\1/p' \"$f\"); "
+            "[ -n \"$pid\" ] && [ -r /proc/$pid/stat ] && "
+            "printf '%s %s %s\\n' \"${f%.json}\" \"$pid\" \"$(sed 's/.*) //' /proc/$pid/stat | cut -d' ' -f1)\"; "
+            "done; exit 0")
 
 
 def commands(spec: ProbeSpec) -> dict[str, str]:
@@ -69,6 +80,7 @@ def commands(spec: ProbeSpec) -> dict[str, str]:
         run = spec.run_dir.rstrip("/")
         out["heartbeats"] = _rank_files(f"{run}/out/heartbeat")
         out["statuses"] = _rank_files(f"{run}/out/status")
+        out["procs"] = _proc_states(f"{run}/out/status")
         metrics = shlex.quote(f"{run}/out/metrics.jsonl")
         out["metrics"] = f"tail -n {int(spec.metrics_tail)} {metrics} 2>/dev/null; exit 0"
     return out
@@ -138,6 +150,7 @@ _PARSERS: dict[str, Callable[[int, str, ProbeSpec], dict]] = {
     "heartbeats": _simple("heartbeats", parse_workload.parse_heartbeats),
     "statuses": _simple("ranks", parse_workload.parse_statuses),
     "metrics": _simple("metrics", parse_workload.parse_metrics),
+    "procs": _simple("rank_proc_states", parse_workload.parse_proc_states),
 }
 
 
@@ -149,7 +162,8 @@ def parse(output: str, node: str, spec: ProbeSpec, now: float) -> NodeSample:
         if name == "clock":
             continue
         if name not in sections:
-            values["errors"][name] = "section missing from the probe output (cut off?)"
+            if name not in OPTIONAL_SECTIONS:
+                values["errors"][name] = "section missing from the probe output (cut off?)"
             continue
         rc, text = sections[name]
         for key, value in _PARSERS[name](rc, text, spec).items():

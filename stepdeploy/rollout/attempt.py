@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepdeploy import __version__
 from stepdeploy.catalog import load_hardware, load_model
@@ -21,6 +21,9 @@ from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_manif
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
 from stepdeploy.render.build import choose_layout, write_run
 from stepdeploy.rollout.ladder import Rung, sub_cluster
+
+if TYPE_CHECKING:
+    from stepdeploy.remote.slurm_executor import SlurmExecutor
 
 
 @dataclass
@@ -54,14 +57,24 @@ def render_attempt(cluster: Cluster, rung: Rung, opts: RenderOptions, layout: st
     inputs = {"inventory": {"path": str(cluster.source)}, "model": {"name": spec.name},
               "layout": {"given": layout, **summary}, "rung": rung.as_dict()}
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    from stepdeploy.render.facts import facts_for  # NCCL facts provisioning saved next to the inventory
+
+    facts = facts_for(cluster.source, [node.name for node in sub.nodes])
     rendered = render_run(sub, spec, chosen, opts, inputs=inputs, created=created, version=__version__,
-                          workload_sources=load_workload_sources(), peak_tflops=peak)
+                          workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak)
     write_run(rendered, dest)
     return {**summary, "layout": chosen.short()}
 
 
-def executor_for(cluster: Cluster, local_run: Path) -> FabricExecutor:
-    return executor_for_manifest(json.loads((local_run / "manifest.json").read_text()), cluster)
+def executor_for(cluster: Cluster, local_run: Path) -> FabricExecutor | SlurmExecutor:
+    """The executor the run was rendered for: slurm when its manifest says so (sbatch.sh; job events go to
+    the rollout's ledger), else the SSH one."""
+    manifest = json.loads((local_run / "manifest.json").read_text())
+    if manifest.get("executor") == "slurm":
+        from stepdeploy.remote.slurm_executor import ledger_sink, slurm_executor_for_manifest
+
+        return slurm_executor_for_manifest(manifest, cluster, local_run, ledger_sink(local_run, manifest))
+    return executor_for_manifest(manifest, cluster)
 
 
 def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:
@@ -89,14 +102,18 @@ def read_metrics(fetched: Path) -> list[dict[str, Any]]:
 
 
 def follow(executor: FabricExecutor, live: Live, *, deadline: float, interval: float,
-           should_stop: Callable[[], bool], on_tick: Callable[[Live], None]) -> tuple[RunStatus, str]:
-    """Poll until the run ends, the deadline passes or a stop is requested; returns (status, why it ended)."""
+           should_stop: Callable[[], bool], on_tick: Callable[[Live], None],
+           check: Callable[[RunStatus], str | None] | None = None) -> tuple[RunStatus, str]:
+    """Poll until the run ends, the deadline passes or a stop is requested; returns (status, why it ended).
+    `check` (the soak's monitors and fault injection) sees every poll; a reason it returns ends the follow."""
     while True:
         status = executor.poll()
         live.status = status
         live.last = latest_metrics(executor) or live.last
         live.iteration = live.last.get("iteration", live.iteration)
         on_tick(live)
+        if check is not None and (reason := check(status)):
+            return status, reason
         if not status.running:
             return status, "exited"
         if should_stop():

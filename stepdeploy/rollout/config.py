@@ -36,6 +36,9 @@ class RolloutConfig:
     executor: str | None = None  # fabric | slurm; None: the inventory's `stepdeploy_executor`, else fabric
     inject: tuple[str, ...] = ()  # soak fault injections, e.g. "kill:rank=last@10m" (rollout/inject.py)
     monitor_interval_s: float = 5.0  # soak: the monitors' collection period
+    heartbeat_timeout_s: float = 180.0  # soak: a running rank without a heartbeat this long is hung
+    soak_max_stalled_restarts: int = 2  # soak: stop after this many restarts in a row without progress
+    node_wait_s: float = 300.0  # soak: how long a lost node may take to come back before the soak fails
     thresholds: gates.Thresholds = field(default_factory=gates.Thresholds)
 
     def to_json(self) -> dict[str, Any]:

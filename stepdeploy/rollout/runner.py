@@ -145,10 +145,12 @@ class Rollout:
         return RenderOptions(run_id=run_id, stage=stage, iterations=iterations, nproc_per_node=rung.nproc_per_node,
                              pg_timeout_s=self.config.pg_timeout_s, seq_length=self.config.seq_length,
                              global_batch_size=self.config.global_batch_size,
-                             save_interval=self.config.checkpoint_interval if stage == "soak" else 0)
+                             save_interval=self.config.checkpoint_interval if stage == "soak" else 0,
+                             executor=self.config.executor)  # None: the inventory's stepdeploy_executor
 
     def _launch_and_follow(self, executor: FabricExecutor, local: Path, stage: str, rung: Rung, total: int | None,
-                           deadline: float, *, reattach: bool = False) -> tuple[Any, str]:
+                           deadline: float, *, reattach: bool = False,
+                           check: Callable[[Any], str | None] | None = None) -> tuple[Any, str]:
         for step in () if reattach else (executor.prepare, executor.start):
             results = step(local) if step == executor.prepare else step()
             bad = [r for r in results if not r.ok]
@@ -156,7 +158,7 @@ class Rollout:
                 raise StageFailed(f"{stage}/{rung.name}: {bad[0].node}: {bad[0].detail}")
         self.live = Live(stage=stage, rung=rung.name, total=total, started=time.time(), deadline=deadline)
         status, why = follow(executor, self.live, deadline=deadline, interval=self.config.poll_interval_s,
-                             should_stop=self._stop_requested, on_tick=self.on_tick)
+                             should_stop=self._stop_requested, on_tick=self.on_tick, check=check)
         if status.running:
             executor.stop()
         return status, why

@@ -1,15 +1,27 @@
-"""The soak stage: the target configuration for a duration, checkpointing periodically; a failed run is
-restarted from its last complete checkpoint (the same run directory: the workload resumes from `latest`)
-up to a maximum number of restarts. The soak clock is the stage's first start in the ledger, so a resumed
-controller continues the same soak rather than starting a new one."""
+"""The soak stage: the target configuration for a duration, checkpointing periodically, watched by the
+monitors (rollout/monitors.py) and, on request, hit by injected faults (rollout/inject.py).
+
+A failure is detected while the run is in flight (a rank died, a heartbeat went stale, a node became
+unreachable, a link went down) or when it ends, classified (crash | hang | link | node-loss), and recovered:
+every process of the run stopped on every node and shown to be gone, a lost node waited for, the failed
+ranks' logs diagnosed, the run restarted from its last complete checkpoint (the same run directory: the
+workload resumes from `latest`) up to `soak_max_restarts`; restarts without progress stop the soak early.
+Every step is a ledger event. The soak clock is the stage's first start in the ledger, so a resumed
+controller continues the same soak (and does not fire an injection twice)."""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stepdeploy.rollout import gates
+from stepdeploy.errors import BadInput
+from stepdeploy.monitor import classify, diagnose
+from stepdeploy.monitor.classify import Classification
+from stepdeploy.monitor.model import Thresholds
+from stepdeploy.rollout import gates, inject, monitors
 from stepdeploy.rollout.attempt import executor_for, render_attempt
 from stepdeploy.rollout.config import StageFailed
 from stepdeploy.rollout.ladder import target_rung
@@ -18,13 +30,49 @@ if TYPE_CHECKING:
     from stepdeploy.rollout.runner import Rollout
 
 SOAK_ITERATIONS = 10**9  # the soak ends by time, not by count
+CLEAR_RANK_FILES = "rm -f -- out/status/rank* out/heartbeat/rank*"  # a new attempt must not read the last one's
+
+
+@dataclass
+class Watch:
+    """What the follow loop runs on every poll: injections, the monitors, the failure decision."""
+
+    r: Any
+    monitor: monitors.SoakMonitor
+    injector: inject.Injector | None
+    verdict: Classification | None = None
+    detected_at: float | None = None
+
+    def check(self, status: Any) -> str | None:
+        now = time.time()
+        if self.injector is not None:
+            for line in self.injector.tick(status, now):
+                self.r.live.note(line)
+        self.monitor.maybe_collect(status, now)
+        verdict = monitors.decide(status, monitors.fail_findings(self.monitor.findings),
+                                  self.r.config.heartbeat_timeout_s, self.monitor.proc_states())
+        if verdict is None:
+            return None
+        now = time.time()  # the injection or the monitor round above may have taken a while
+        self.verdict, self.detected_at = verdict, now
+        _event(self.r, "detected", f"{verdict.kind} detected on {verdict.node or 'the network'}"
+               + (f" (rank {verdict.rank})" if verdict.rank is not None else "") + f": {verdict.evidence[0]}",
+               {**verdict.to_json(), "time": now, "iteration": monitors.progress_iteration(status)})
+        return f"failure: {verdict.kind}"
+
+
+def _event(r: Rollout, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+    r.ledger.event(r.run_id, kind, message, stage="soak", data=data)
 
 
 def run_soak(r: Rollout) -> None:
     rung = target_rung(r.cluster, r.config.model)
     stage = next(s for s in r.ledger.stages(r.run_id) if s.name == "soak")
-    deadline = (stage.started or time.time()) + r.config.soak_duration_s
+    soak_started = stage.started or time.time()
+    deadline = soak_started + r.config.soak_duration_s
+    injections = inject.parse_all(r.config.inject)
     local = _soak_dir(r, rung)
+    _check_injections(injections, local, rung.world)
     while True:
         attempts = r.ledger.attempts(r.run_id, "soak")
         restarts = sum(1 for a in attempts if a["status"] == "failed")
@@ -37,27 +85,173 @@ def run_soak(r: Rollout) -> None:
             r.run_id, "soak", rung.name, {"local_run": str(local), "rung": rung.as_dict(), "restart": restarts})
         started = current["started"] if current else time.time()
         if alive and current is not None:
-            r.ledger.event(r.run_id, "attempt", f"soak attempt {current['number']} re-attached: its processes "
-                           "outlived the controller", stage="soak", rung=rung.name)
+            _event(r, "attempt", f"soak attempt {current['number']} re-attached: its processes outlived the controller")
         with executor_for(r.cluster, local) as executor:
-            status, why = r._launch_and_follow(executor, local, "soak", rung, None, deadline, reattach=alive)
+            if not alive and restarts:  # also after a controller that died mid-recovery (best effort: see _recover)
+                executor.run_command(CLEAR_RANK_FILES)
+            watch = _watch(r, executor, local, injections, soak_started)
+            status, why = r._launch_and_follow(executor, local, "soak", rung, None, deadline, reattach=alive,
+                                               check=watch.check)
             metrics = r._collect_since(executor, local, attempt, started)
-        if why == "deadline":
-            r.ledger.finish_attempt(attempt, "passed", _detail(metrics, "soak duration reached"))
-            _final_gates(r, rung.name, restarts, metrics)
-            return
-        if why == "stop requested":
-            r.ledger.finish_attempt(attempt, "stopped", _detail(metrics, "stop requested"))
-            raise StageFailed("soak stopped on request")
-        cause = "; ".join(status.culprits()) or why
-        r.ledger.finish_attempt(attempt, "failed", _detail(metrics, cause))
-        r.ledger.event(r.run_id, "failure", f"soak run failed: {cause}", stage="soak", rung=rung.name)
-        if restarts + 1 > r.config.soak_max_restarts:
-            r.ledger.verdict(r.run_id, "soak", rung.name, "no_unrecovered_failure", False, restarts + 1,
-                             r.config.soak_max_restarts, f"failed {restarts + 1} times: {cause}")
-            raise StageFailed(f"soak: unrecovered failure after {restarts} restart(s): {cause}")
-        r.ledger.event(r.run_id, "restart", f"restarting the soak from its last checkpoint ({restarts + 1} of "
-                       f"{r.config.soak_max_restarts})", stage="soak", rung=rung.name)
+            if why == "deadline":
+                r.ledger.finish_attempt(attempt, "passed", _detail(metrics, "soak duration reached"))
+                _final_gates(r, rung.name, restarts, metrics)
+                return
+            if why == "stop requested":
+                r.ledger.finish_attempt(attempt, "stopped", _detail(metrics, "stop requested"))
+                raise StageFailed("soak stopped on request")
+            verdict = watch.verdict or classify.classify(status, monitors.fail_findings(watch.monitor.findings),
+                                                         r.config.heartbeat_timeout_s)
+            cause = _cause(verdict, status, why)
+            if watch.verdict is None:
+                _event(r, "detected", f"run ended: {cause}", {**(verdict.to_json() if verdict else {}),
+                                                              "time": time.time()})
+            iteration = monitors.progress_iteration(status)
+            r.ledger.finish_attempt(attempt, "failed", {**_detail(metrics, cause), "kind": verdict.kind if verdict
+                                                        else None, "failed_at_iteration": iteration})
+            _event(r, "failure", f"soak run failed: {cause}", {"kind": verdict.kind if verdict else None,
+                                                               "iteration": iteration})
+            _recover(r, executor, watch.monitor, verdict)
+        _check_limits(r, rung.name, restarts, cause)
+        _event(r, "restart", f"restarting the soak from its last checkpoint ({restarts + 1} of "
+               f"{r.config.soak_max_restarts})", {"restart": restarts + 1, "time": time.time()})
+
+
+def _check_injections(injections: list[inject.Injection], local: Path, world: int) -> None:
+    """Every injection names a rank or node of this run (before anything starts, not mid-soak)."""
+    nodes = [n["name"] for n in json.loads((local / "manifest.json").read_text())["nodes"]]
+    for inj in injections:
+        try:
+            _ = inject.resolve_rank(inj, world) if inj.kind in inject.RANK_KINDS else inject.resolve_node(inj, nodes)
+        except BadInput as exc:
+            raise StageFailed(f"soak: {exc.message}") from None
+
+
+def _watch(r: Rollout, executor: Any, local: Path, injections: list[inject.Injection], soak_started: float) -> Watch:
+    manifest = json.loads((local / "manifest.json").read_text())
+    first = r.cluster.node(executor.targets[0].name)
+    limits = Thresholds(heartbeat_timeout_s=r.config.heartbeat_timeout_s)
+    monitor = monitors.SoakMonitor(executor, monitors.probe_spec(manifest, first.train_iface),
+                                   r.run_dir / "monitor" / "stepdeploy.prom", limits,
+                                   lambda kind, msg, data: _event(r, kind, msg, data), r.config.monitor_interval_s)
+    injector = inject.Injector(injections, ledger=r.ledger, run_id=r.run_id, cluster=r.cluster, executor=executor,
+                               started=soak_started) if injections else None
+    return Watch(r, monitor, injector)
+
+
+def _cause(verdict: Classification | None, status: Any, why: str) -> str:
+    if verdict is None:
+        return "; ".join(status.culprits()) or why
+    where = f" on {verdict.node}" if verdict.node else ""
+    rank = f" rank {verdict.rank}" if verdict.rank is not None else ""
+    return f"{verdict.kind}{where}{rank}: {verdict.evidence[0]}"
+
+
+def _recover(r: Rollout, executor: Any, monitor: monitors.SoakMonitor, verdict: Classification | None
+             ) -> Classification | None:
+    """Stop everything (and show it), wait for lost nodes, diagnose, clear the rank files for the next attempt."""
+    _stop_and_prove(r, executor)
+    lost = monitors.unreachable_nodes(executor.poll())
+    if lost:
+        back = _wait_for_nodes(r, executor, lost)
+        if not back:
+            raise StageFailed(f"soak: node(s) {', '.join(lost)} lost and not back within {r.config.node_wait_s:.0f} s")
+        status = executor.poll()  # the node is back: what do its counters say now?
+        _stop_and_prove(r, executor)
+        _clear_rank_files(executor)  # its dead ranks' files would read as hung ranks
+        again = _reclassify(r, monitor, status, verdict)
+        verdict = again or verdict
+    _diagnose(r, executor, verdict)
+    node = verdict.node if verdict else None
+    _event(r, "preflight", f"preflight of the suspect node {node or '(none)'} skipped: the soak restarts on the same "
+           "nodes; run `stepdeploy preflight` on it if the failure repeats", {"node": node})
+    _clear_rank_files(executor)
+    return verdict
+
+
+def _clear_rank_files(executor: Any) -> None:
+    bad = [c.node for c in executor.run_command(CLEAR_RANK_FILES) if not c.ok]
+    if bad:
+        raise StageFailed(f"soak: cannot clear the rank files on {', '.join(bad)} before the restart")
+
+
+def _stop_and_prove(r: Rollout, executor: Any) -> None:
+    stops = executor.stop()
+    left = {s.node: list(s.left) for s in stops if s.left}
+    unreachable = [s.node for s in stops if not s.ok and not s.left]
+    parts = [f"{s.node}: {s.detail}" for s in stops]
+    _event(r, "stop", "stop: " + "; ".join(parts), {"ok": all(s.ok for s in stops), "left": left,
+                                                   "unreachable": unreachable,
+                                                   "killed": {s.node: list(s.killed) for s in stops}})
+    if left:
+        raise StageFailed(f"soak: processes of the run survived the stop: {left}")
+
+
+def _wait_for_nodes(r: Rollout, executor: Any, lost: list[str]) -> bool:
+    _event(r, "node-wait", f"waiting up to {r.config.node_wait_s:.0f} s for {', '.join(lost)} to come back", {})
+    until = time.time() + r.config.node_wait_s
+    while time.time() < until:
+        still = monitors.unreachable_nodes(executor.poll())
+        if not still:
+            _event(r, "node-wait", f"{', '.join(lost)} reachable again", {"time": time.time()})
+            return True
+        time.sleep(2.0)
+    _event(r, "node-wait", f"{', '.join(lost)} still unreachable after {r.config.node_wait_s:.0f} s", {})
+    return False
+
+
+def _reclassify(r: Rollout, monitor: monitors.SoakMonitor, status: Any, verdict: Classification | None
+                ) -> Classification | None:
+    """A node that was unreachable and came back was not necessarily lost: its interface may have gone down
+    (the simulated nodes carry SSH and training on one interface). Its counters and ranks decide."""
+    if verdict is None or verdict.kind != classify.NODE_LOSS:
+        return None
+    found = monitor.collect(status, time.time())
+    flapped = [f for f in found if f.kind == "link" and f.severity.value == "fail"]
+    if not flapped:
+        _event(r, "classified", f"node-loss confirmed for {verdict.node}: no link flap recorded on its return",
+               verdict.to_json())
+        return None
+    again = Classification(classify.LINK, verdict.node, None,
+                           tuple(f"monitor: {f.node} {f.subject}: {f.message}" for f in flapped) + verdict.evidence)
+    _event(r, "classified", f"re-classified as link: {again.evidence[0]}", again.to_json())
+    return again
+
+
+def _diagnose(r: Rollout, executor: Any, verdict: Classification | None) -> None:
+    nodes = [verdict.node] if verdict and verdict.node else [t.name for t in executor.targets]
+    logs = executor.logs(tail=400)
+    text = "\n".join(line for n in nodes for line in logs.get(n, []))
+    found = diagnose.diagnose(text)
+    if not found:
+        _event(r, "diagnosis", f"no known failure signature in the last 400 log lines of {', '.join(nodes)}",
+               {"nodes": nodes, "diagnoses": []})
+        return
+    _event(r, "diagnosis", "; ".join(f"{d.signature}: {d.cause}" for d in found),
+           {"nodes": nodes, "diagnoses": [d.to_json() for d in found]})
+
+
+def _check_limits(r: Rollout, rung: str, restarts: int, cause: str) -> None:
+    if restarts + 1 > r.config.soak_max_restarts:
+        r.ledger.verdict(r.run_id, "soak", rung, "no_unrecovered_failure", False, restarts + 1,
+                         r.config.soak_max_restarts, f"failed {restarts + 1} times: {cause}")
+        raise StageFailed(f"soak: unrecovered failure after {restarts} restart(s): {cause}")
+    stalled = stalled_restarts([a["detail"].get("failed_at_iteration") for a in r.ledger.attempts(r.run_id, "soak")
+                                if a["status"] == "failed"])
+    if stalled >= r.config.soak_max_stalled_restarts:
+        r.ledger.verdict(r.run_id, "soak", rung, "progress", False, stalled, r.config.soak_max_stalled_restarts,
+                         f"{stalled} restart(s) in a row without progress: {cause}")
+        raise StageFailed(f"soak: {stalled} restart(s) in a row made no progress: {cause}")
+
+
+def stalled_restarts(failed_at: list[int | None]) -> int:
+    """How many of the latest failures in a row reached no further than the failure before them."""
+    count, best = 0, None
+    for it in failed_at:
+        progressed = it is not None and (best is None or it > best)
+        count = 0 if progressed else count + 1
+        best = it if progressed else best
+    return count
 
 
 def _alive(r: Rollout, local: Path) -> bool:

@@ -18,11 +18,12 @@ from metrics import RankFiles
 def test_every_section_runs_under_timeout_and_names_are_quoted():
     spec = probe.ProbeSpec(run_dir="/runs/a b", ifaces=("eth0;reboot",), checkpoint_dir="/ckpt/$(id)")
     text = probe.script(spec)
-    assert text.count("timeout -k 2 10 sh -c") == len(probe.commands(spec)) == 10
+    assert text.count("timeout -k 2 10 sh -c") == len(probe.commands(spec)) == 11
     commands = probe.commands(spec)
     assert "'eth0;reboot'/operstate" in commands["net"]
     assert "d='/ckpt/$(id)';" in commands["disk"]
     assert "cd '/runs/a b/out/heartbeat'" in commands["heartbeats"]
+    assert "cd '/runs/a b/out/status'" in commands["procs"]
     assert probe.remote_command(spec).endswith("| base64 -d | sh")
 
 
@@ -39,6 +40,7 @@ def test_probe_runs_under_sh_and_reads_the_workloads_own_files(tmp_path):
     sample = probe.parse(output, "local", spec, now=0.0)
     assert [(b.rank, b.iteration, b.pid) for b in sample.heartbeats] == [(1, 41, os.getpid())]
     assert [(r.rank, r.state) for r in sample.ranks] == [(1, "running")]
+    assert list(sample.rank_proc_states) == [1] and sample.rank_proc_states[1] in ("R", "S")  # this process
     assert sample.metrics[0].iteration == 41 and sample.metrics[0].grad_norm == 1.5
     assert sample.disk is not None and sample.disk.path == str(tmp_path)
     assert "MemTotal" in sample.meminfo_kib and sample.time > 1.7e9

@@ -1,0 +1,304 @@
+"""Fault injection during the soak: `--inject kill:rank=last@10m` and friends.
+
+    kill:rank=R@T               kill -9 of rank R's worker process
+    hang:rank=R@T               kill -STOP of rank R's worker process (it stays alive, its heartbeat stops)
+    link-down:node=N@T[,for=D]  the node's training interface down for D (default 60 s), then up again
+    node-loss:node=N@T[,for=D]  every process of the run on the node killed and its sshd stopped for D
+                                (default 60 s); the simulated node is killed outright (its whole process tree)
+
+R is a rank number, `first` or `last`; N a node's 1-based index in the run, its name, `first` or `last`;
+T and D durations like 90s, 10m, 1h (T from the soak's start). Parsing is pure; the actions (`fire`) go
+through the executor's run_command where they can, and act on the host for the simulated cluster (its
+network namespaces, its node processes). Every action is recorded in the ledger *before* it is taken, so a
+resumed controller never fires an injection twice.
+
+On the simulated cluster a node's eth0 carries both SSH and the training traffic, so `link-down` there cuts
+the controller off from the node too; on real nodes the training fabric and the management network differ.
+On real nodes `link-down` and `node-loss` run as a detached `setsid` script on the node that brings the
+interface (sshd) back after D even if the SSH session that started it dies.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stepdeploy.errors import BadInput
+
+KINDS = ("kill", "hang", "link-down", "node-loss")
+RANK_KINDS, NODE_KINDS = ("kill", "hang"), ("link-down", "node-loss")
+DEFAULT_FOR_S = 60.0
+_SPEC = re.compile(r"^(?P<kind>[a-z-]+):(?P<target>[a-z]+)=(?P<value>[^@,\s]+)@(?P<at>[^,\s]+)(?P<opts>(,[^,\s]+)*)$")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h)?$")
+_EXAMPLES = "kill:rank=last@10m, hang:rank=0@20m, link-down:node=2@30m,for=90s, node-loss:node=2@40m"
+
+
+@dataclass(frozen=True)
+class Injection:
+    spec: str  # as given (the ledger's key: an injection fires once)
+    kind: str
+    at_s: float
+    rank: int | str | None = None  # int, "first" or "last"
+    node: int | str | None = None  # 1-based index, a name, "first" or "last"
+    for_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"spec": self.spec, "kind": self.kind, "at_s": self.at_s, "rank": self.rank, "node": self.node,
+                "for_s": self.for_s}
+
+
+def duration(text: str, what: str, spec: str) -> float:
+    match = _DURATION.match(text)
+    if not match:
+        raise BadInput(f"--inject {spec!r}: {what} {text!r} is not a duration like 30s, 10m or 1h")
+    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2) or "s"]
+
+
+def parse(spec: str) -> Injection:
+    """One `--inject` value -> Injection (BadInput with the valid forms on any mistake)."""
+    text = spec.strip()
+    match = _SPEC.match(text)
+    if not match:
+        raise BadInput(f"--inject {spec!r} is not KIND:rank=R@T or KIND:node=N@T[,for=D]; e.g. {_EXAMPLES}")
+    kind, target, value = match["kind"], match["target"], match["value"]
+    if kind not in KINDS:
+        raise BadInput(f"--inject {spec!r}: unknown fault {kind!r}; choose one of {', '.join(KINDS)}")
+    wanted = "rank" if kind in RANK_KINDS else "node"
+    if target != wanted:
+        raise BadInput(f"--inject {spec!r}: {kind} takes {wanted}=..., not {target}=...")
+    at = duration(match["at"], "time", spec)
+    opts = dict(_option(o, spec) for o in match["opts"].split(",") if o)
+    if opts and kind in RANK_KINDS:
+        raise BadInput(f"--inject {spec!r}: {kind} takes no options (for= is for link-down and node-loss)")
+    unknown = sorted(set(opts) - {"for"})
+    if unknown:
+        raise BadInput(f"--inject {spec!r}: unknown option {unknown[0]!r}; the only option is for=DURATION")
+    for_s = duration(opts["for"], "for", spec) if "for" in opts else (DEFAULT_FOR_S if kind in NODE_KINDS else None)
+    if for_s is not None and for_s <= 0:
+        raise BadInput(f"--inject {spec!r}: for= must be longer than 0 s")
+    if kind in RANK_KINDS:
+        return Injection(text, kind, at, rank=_rank(value, spec), for_s=None)
+    return Injection(text, kind, at, node=_node(value), for_s=for_s)
+
+
+def _option(text: str, spec: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not value:
+        raise BadInput(f"--inject {spec!r}: option {text!r} is not KEY=VALUE (e.g. for=90s)")
+    return key, value
+
+
+def _rank(value: str, spec: str) -> int | str:
+    if value in ("first", "last"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise BadInput(f"--inject {spec!r}: rank {value!r} is not a number, first or last")
+
+
+def _node(value: str) -> int | str:
+    return int(value) if value.isdigit() else value
+
+
+def parse_all(specs: tuple[str, ...] | list[str]) -> list[Injection]:
+    found = [parse(s) for s in specs]
+    seen: set[str] = set()
+    for inj in found:
+        if inj.spec in seen:
+            raise BadInput(f"--inject {inj.spec!r} given twice")
+        seen.add(inj.spec)
+    return found
+
+
+def resolve_rank(inj: Injection, world: int) -> int:
+    rank = 0 if inj.rank == "first" else world - 1 if inj.rank == "last" else int(inj.rank or 0)
+    if not 0 <= rank < world:
+        raise BadInput(f"--inject {inj.spec!r}: rank {rank} does not exist (world size {world})")
+    return rank
+
+
+def resolve_node(inj: Injection, nodes: list[str]) -> str:
+    """The node an injection names, among the run's nodes in order."""
+    if inj.node == "first":
+        return nodes[0]
+    if inj.node == "last":
+        return nodes[-1]
+    if isinstance(inj.node, int):
+        if not 1 <= inj.node <= len(nodes):
+            raise BadInput(f"--inject {inj.spec!r}: node {inj.node} does not exist (the run has {len(nodes)})")
+        return nodes[inj.node - 1]
+    if inj.node not in nodes:
+        raise BadInput(f"--inject {inj.spec!r}: the run has no node {inj.node!r} ({', '.join(nodes)})")
+    return str(inj.node)
+
+
+def due(injections: list[Injection], started: float, now: float, fired: set[str]) -> list[Injection]:
+    """Injections whose time has come and that have not fired yet, in time order."""
+    return sorted((i for i in injections if i.spec not in fired and now >= started + i.at_s), key=lambda i: i.at_s)
+
+
+# --- commands (pure: text) ------------------------------------------------------------------------------------
+def run_pids_command(run_id: str) -> str:
+    """Shell: the pids of every process carrying the run's STEPDEPLOY_RUN_ID (what executor.stop also finds)."""
+    tag = shlex.quote(f"STEPDEPLOY_RUN_ID={run_id}")
+    return (f"for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qxF -- {tag} && "
+            "echo ${p#/proc/}; done; true")
+
+
+def kill_run_command(run_id: str) -> str:
+    return f"for pid in $({run_pids_command(run_id)}); do kill -9 $pid 2>/dev/null; done; true"
+
+
+def signal_rank_command(pid: int, signal: str) -> str:
+    """kill -SIG of a rank's worker, checked to be a live process of this run first (no stale pid reuse)."""
+    return f"kill -0 {int(pid)} && kill -{signal} {int(pid)}"
+
+
+def guarded_link_down_command(iface: str, for_s: float) -> str:
+    """Real nodes: a detached script takes the interface down and always brings it back."""
+    i = shlex.quote(iface)
+    script = f"ip link set {i} down; sleep {int(for_s)}; ip link set {i} up"
+    return f"setsid sh -c {shlex.quote(script)} >/dev/null 2>&1 </dev/null & echo started"
+
+
+def guarded_sshd_stop_command(for_s: float) -> str:
+    """Real nodes: sshd stopped, and started again after `for_s` by a detached script."""
+    script = ("systemctl stop ssh.socket ssh sshd 2>/dev/null; "
+              f"sleep {int(for_s)}; systemctl start ssh 2>/dev/null || systemctl start sshd")
+    return f"setsid sh -c {shlex.quote(script)} >/dev/null 2>&1 </dev/null & echo started"
+
+
+# --- the simulated cluster (host side) --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimNode:
+    state_dir: Path
+    name: str
+    netns: str
+
+
+def sim_node(inventory: str, node: str, address: str) -> SimNode | None:
+    """The simulated node behind an inventory host (the inventory sim up wrote lies beside its state), or None."""
+    from stepdeploy.sim import state as simstate
+
+    state_dir = Path(inventory).resolve().parent
+    sim = simstate.load(state_dir)
+    found = sim.node(node) if sim else None
+    if found is None or found.address != address:
+        return None
+    return SimNode(state_dir, found.name, found.netns)
+
+
+def sim_link(netns: str, iface: str, up: bool) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "-n", netns, "link", "set", iface, "up" if up else "down"], capture_output=True,
+                          text=True, check=False)
+
+
+def sim_link_guard(netns: str, iface: str, for_s: float) -> None:
+    """A detached host process that brings the link back after `for_s`, even if the controller dies."""
+    script = f"sleep {int(for_s)}; ip -n {shlex.quote(netns)} link set {shlex.quote(iface)} up"
+    subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def sim_kill_node(node: SimNode) -> None:
+    """The node is gone: its whole process tree (sshd included) killed, as a power loss would."""
+    from stepdeploy.sim import node as simnode
+    from stepdeploy.sim import state as simstate
+
+    sim = simstate.load(node.state_dir)
+    found = sim.node(node.name) if sim else None
+    if found is not None:
+        simnode.stop(found)
+
+
+def sim_revive_guard(node: SimNode, for_s: float) -> None:
+    """A detached host process that starts the simulated node again after `for_s` (`sim up` of its cluster)."""
+    code = ("import sys, time; from pathlib import Path; time.sleep(float(sys.argv[1])); "
+            "from stepdeploy.sim import state; from stepdeploy.sim.cluster import SimConfig, up; "
+            "s = state.load(Path(sys.argv[2])); "
+            "up(SimConfig(name=s.name, subnet=s.subnet, http_port=s.http_port, state_dir=Path(sys.argv[2])), "
+            "len(s.nodes))")
+    log = open(node.state_dir / f"revive-{node.name}.log", "ab")  # noqa: SIM115 (handed to the child)
+    with log:
+        subprocess.Popen([sys.executable, "-c", code, str(for_s), str(node.state_dir)], stdin=subprocess.DEVNULL,
+                         stdout=log, stderr=log, start_new_session=True)
+
+
+# --- firing (side effects; called from the soak's follow loop) --------------------------------------------------
+class Injector:
+    """Fires the due injections of a soak through `executor`, each recorded in the ledger before it acts."""
+
+    def __init__(self, injections: list[Injection], *, ledger: Any, run_id: str, cluster: Any, executor: Any,
+                 started: float) -> None:
+        self.injections, self.ledger, self.run_id = injections, ledger, run_id
+        self.cluster, self.executor, self.started = cluster, executor, started
+        self.fired = {e["data"].get("spec") for e in ledger.events(run_id) if e["kind"] == "inject"}
+
+    def tick(self, status: Any, now: float) -> list[str]:
+        """Fire what is due; returns one line per injection fired."""
+        lines = []
+        for inj in due(self.injections, self.started, now, self.fired):
+            target = self._target(inj, status)
+            if target is None:
+                continue  # its rank has not started yet (or is between attempts): try on the next poll
+            self.fired.add(inj.spec)
+            self.ledger.event(self.run_id, "inject", f"injecting {inj.spec} on {target['node']}"
+                              + (f" (rank {target['rank']}, pid {target['pid']})" if "rank" in target else ""),
+                              stage="soak", data={**inj.to_json(), **target, "time": now})
+            ok, detail = self._act(inj, target)
+            self.ledger.event(self.run_id, "inject", f"{inj.spec}: {'done' if ok else 'FAILED'}: {detail}",
+                              stage="soak", data={"spec_result": inj.spec, "ok": ok, "detail": detail})
+            lines.append(f"injected {inj.spec}: {detail}")
+        return lines
+
+    def _target(self, inj: Injection, status: Any) -> dict[str, Any] | None:
+        """Whom to hit, once the run trains (a heartbeat: a fault during start-up tests no recovery from a
+        checkpoint); None: not yet, try on the next poll."""
+        ranks = status.ranks
+        if not any(r.state == "running" and r.iteration is not None for r in ranks):
+            return None
+        if inj.kind in RANK_KINDS:
+            rank = resolve_rank(inj, max(r.rank for r in ranks) + 1)
+            found = next((r for r in ranks if r.rank == rank and r.state == "running" and r.pid
+                          and r.iteration is not None), None)
+            return None if found is None else {"node": found.node, "rank": rank, "pid": found.pid}
+        return {"node": resolve_node(inj, [n.node for n in status.nodes])}
+
+    def _run(self, node: str, command: str) -> tuple[bool, str]:
+        targets = [t for t in self.executor.targets if t.name == node]
+        result = self.executor.run_command(command, targets)[0]
+        return result.ok, (result.stdout.strip() or result.stderr.strip())[-300:]
+
+    def _act(self, inj: Injection, target: dict[str, Any]) -> tuple[bool, str]:
+        node = target["node"]
+        if inj.kind in RANK_KINDS:
+            sig = "9" if inj.kind == "kill" else "STOP"
+            ok, out = self._run(node, signal_rank_command(target["pid"], sig))
+            return ok, f"kill -{sig} {target['pid']} on {node}" + ("" if ok else f": {out}")
+        inventory_node = self.cluster.node(node)
+        sim = sim_node(str(self.cluster.source), node, inventory_node.address)
+        for_s = float(inj.for_s or DEFAULT_FOR_S)
+        if inj.kind == "link-down":
+            iface = inventory_node.train_iface or "eth0"
+            if sim is None:
+                ok, out = self._run(node, guarded_link_down_command(iface, for_s))
+                return ok, f"{iface} down on {node} for {for_s:.0f} s (guarded on the node)" + ("" if ok else out)
+            res = sim_link(sim.netns, iface, up=False)
+            if res.returncode != 0:
+                return False, f"ip -n {sim.netns} link set {iface} down: {res.stderr.strip()}"
+            sim_link_guard(sim.netns, iface, for_s)
+            return True, f"ip -n {sim.netns} link set {iface} down; up again in {for_s:.0f} s"
+        ok, out = self._run(node, kill_run_command(self.executor.run_id))
+        if sim is None:
+            ok2, out2 = self._run(node, guarded_sshd_stop_command(for_s))
+            return ok and ok2, f"run's processes killed and sshd stopped on {node} for {for_s:.0f} s" + (
+                "" if ok and ok2 else f": {out} {out2}")
+        sim_kill_node(sim)
+        sim_revive_guard(sim, for_s)
+        return True, f"run's processes killed ({'ok' if ok else out}), simulated node {node} killed (sshd and " \
+                     f"every process); it starts again in {for_s:.0f} s"

@@ -1,0 +1,137 @@
+"""The soak's collector loop and failure decision.
+
+Every `monitor_interval_s` the monitor's probe (stepdeploy.monitor.probe) runs on every reachable node
+through the executor's run_command; each node's sample is judged against that node's previous sample
+(hardware + training judgements: deltas, never totals), findings go to the ledger, and the Prometheus
+textfile in <run dir>/monitor/stepdeploy.prom is rewritten. `decide()` (pure) says when a run in flight has
+failed and how (crash, hang, link, node-loss), from the executor's poll and the findings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stepdeploy.monitor import classify, judge, probe, prometheus, training
+from stepdeploy.monitor.classify import Classification
+from stepdeploy.monitor.model import Finding, NodeSample, Severity, Thresholds
+from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, RunStatus
+
+MAX_FINDING_EVENTS = 20  # per round: a flood (every counter of a flapping port) is summarised, not copied
+
+
+def judge_round(prev: dict[str, NodeSample], current: list[NodeSample], limits: Thresholds) -> list[Finding]:
+    """Findings of one collection round: each node against its previous sample (none on its first)."""
+    found: list[Finding] = []
+    for cur in current:
+        before = prev.get(cur.node)
+        if before is not None:
+            found += judge.judge_node(before, cur, limits) + training.judge_training(before, cur, limits)
+    return found
+
+
+def decide(status: RunStatus, findings: list[Finding], heartbeat_timeout_s: float,
+           proc_states: dict[int, str] | None = None) -> Classification | None:
+    """The failure of a run in flight, or None while it is healthy (or its fate is not yet clear).
+
+    A crash, a hang, a link finding and an unreachable node are acted on at once. Ranks that exited only
+    because their collectives failed (code 3) are a consequence: while another rank still runs, it may be
+    the stuck one (a hang is declared when its heartbeat passes the timeout), so `link` from exits alone is
+    decided only once nothing of the run runs any more. `proc_states` (rank -> process state, from the
+    monitor) names the culprit of a hang: a stopped (T) or uninterruptible (D) rank, not its sleeping peers."""
+    verdict = classify.classify(status, findings, heartbeat_timeout_s)
+    if verdict is None:
+        return None
+    if verdict.kind == classify.HANG:
+        return _stuck_culprit(status, verdict, proc_states or {})
+    link_from_exits = verdict.kind == classify.LINK and not any(
+        f.kind == "link" or f.message.startswith("link_downed") for f in findings if f.severity is Severity.FAIL)
+    if link_from_exits and status.running:
+        return None
+    return verdict
+
+
+def _stuck_culprit(status: RunStatus, verdict: Classification, states: dict[int, str]) -> Classification:
+    """All ranks' heartbeats stop when one stops (the others wait for it in a collective); the process
+    state tells which one is not waiting."""
+    frozen = [r for r in status.ranks if r.state == RUNNING and states.get(r.rank, "")[:1] in ("T", "t", "D")]
+    if not frozen or (verdict.rank is not None and verdict.rank in {r.rank for r in frozen}):
+        return verdict
+    first = frozen[0]
+    why = {"D": "uninterruptible (D)"}.get(states[first.rank][:1], "stopped (T)")
+    return Classification(classify.HANG, first.node, first.rank,
+                          (f"rank {first.rank} on {first.node}: process {first.pid} is {why} while its peers wait "
+                           f"in their collectives", *verdict.evidence))
+
+
+def fail_findings(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity is Severity.FAIL]
+
+
+def progress_iteration(status: RunStatus) -> int | None:
+    """The furthest iteration any rank's heartbeat reached (None: no rank beat yet)."""
+    its = [r.iteration for r in status.ranks if r.iteration is not None]
+    return max(its) if its else None
+
+
+def unreachable_nodes(status: RunStatus) -> list[str]:
+    return [n.node for n in status.nodes if n.state == UNREACHABLE]
+
+
+def collective_victims(status: RunStatus) -> list[int]:
+    return [r.rank for r in status.ranks if r.state == EXITED and r.code == EXIT_COLLECTIVE]
+
+
+class SoakMonitor:
+    """Runs the probe on the run's nodes, keeps each node's previous sample, records what it finds."""
+
+    def __init__(self, executor: Any, spec: probe.ProbeSpec, textfile: Path, limits: Thresholds,
+                 record: Callable[[str, str, dict[str, Any]], None], interval_s: float) -> None:
+        self.executor, self.spec, self.textfile, self.limits = executor, spec, textfile, limits
+        self.record, self.interval_s = record, interval_s
+        self.prev: dict[str, NodeSample] = {}
+        self.findings: list[Finding] = []  # everything found during this attempt
+        self.rounds, self.last = 0, 0.0
+
+    def proc_states(self) -> dict[int, str]:
+        return {rank: state for sample in self.prev.values() for rank, state in sample.rank_proc_states.items()}
+
+    def maybe_collect(self, status: RunStatus, now: float | None = None) -> list[Finding]:
+        now = time.time() if now is None else now
+        if now - self.last < self.interval_s:
+            return []
+        self.last = now
+        return self.collect(status, now)
+
+    def collect(self, status: RunStatus, now: float) -> list[Finding]:
+        """One round on the nodes the poll could reach (an unreachable node would hold the round up)."""
+        lost = set(unreachable_nodes(status))
+        targets = [t for t in self.executor.targets if t.name not in lost]
+        if not targets:
+            return []
+        results = self.executor.run_command(probe.remote_command(self.spec), targets)
+        samples = [probe.parse(r.stdout, r.node, self.spec, now) for r in results if r.exit_code is not None]
+        found = judge_round(self.prev, samples, self.limits)
+        for sample in samples:
+            self.prev[sample.node] = sample
+        self.rounds += 1
+        self.findings += found
+        self._report(found)
+        prometheus.write_textfile(self.textfile, prometheus.render(self.prev.values()))
+        return found
+
+    def _report(self, found: list[Finding]) -> None:
+        for f in found[:MAX_FINDING_EVENTS]:
+            self.record("monitor", f"{f.severity.value}: {f.node} {f.subject}: {f.message}", f.to_json())
+        if len(found) > MAX_FINDING_EVENTS:
+            self.record("monitor", f"{len(found) - MAX_FINDING_EVENTS} more finding(s) this round",
+                        {"count": len(found)})
+
+
+def probe_spec(manifest: dict[str, Any], train_iface: str | None) -> probe.ProbeSpec:
+    """What the soak's monitor reads: the run's files, its checkpoint disk, its training interface."""
+    run_dir = manifest["run_dir"]
+    return probe.ProbeSpec(run_dir=run_dir, checkpoint_dir=f"{run_dir}/out",
+                           ifaces=(train_iface,) if train_iface else ())
