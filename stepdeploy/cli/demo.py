@@ -1,8 +1,8 @@
 """`stepdeploy demo`: the whole path on the embedded simulated cluster, as the commands a user would type.
 
-sim up -> inventory show -> provision -> preflight -> plan -> rollout (warmup, scale, a short soak) ->
-report -> sim down. Each step runs the real CLI in a subprocess and prints the command first, so the demo
-is also the tutorial.
+sim up -> inventory show -> provision -> preflight -> plan -> (render -> run launch -> run logs -> run stop:
+a run by hand) -> rollout (warmup, scale, a short soak) -> report -> sim down. Each step runs the real
+CLI in a subprocess and prints the command first, so the demo is also the tutorial.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from stepdeploy.sim.cluster import SimConfig
 # The simulated nodes share this machine's cores: two ranks cannot scale like two GPUs, so the demo's
 # scaling gate is set for that (a real cluster keeps the default 0.7); small sequences keep it quick.
 SEED_INVENTORY = Path(__file__).resolve().parents[2] / "inventory" / "dgx.ini"
+WAIT: list[str] = []  # a pause between launching the hand-rendered run and reading its logs
+LAUNCH_SECONDS = 20
 DEMO_ROLLOUT = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "5", "--scale-iterations", "10",
                 "--checkpoint-interval", "5", "--min-scaling-efficiency", "0.1", "--pg-timeout", "30"]
 
@@ -32,26 +34,42 @@ def demo(
     keep: bool = typer.Option(False, "--keep", help="Leave the cluster running afterwards."),
 ) -> None:
     """Run the whole pipeline on the embedded simulated cluster (needs root; the first run builds the node
-    image, a few minutes): sim up, inventory, provision, preflight, plan, rollout, report, sim down."""
+    image, a few minutes): sim up, inventory, provision, preflight, plan, render + run launch/logs/stop,
+    rollout, report, sim down."""
     inv = str(SimConfig().inventory)
-    run_dir = runs / f"demo-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+    run_dir, launch_dir = runs / f"demo-{stamp}", runs / f"demo-launch-{stamp}"
     steps = [
         ["sim", "up", "--nodes", str(nodes)],
         ["inventory", "show", inv],
         ["provision", inv],
         ["preflight", inv, "--min-free-gib", "1"],
         ["plan", "--model", "step-3.5-flash", "-i", str(SEED_INVENTORY), "--top", "3"],
+        # render -> launch -> logs -> stop, by hand (the CPU nodes run the torch engine, data parallel: there is
+        # no GPU memory to plan), a run long enough that only the stop ends it
+        ["render", "-i", inv, "-m", "tiny-dense", "--out", str(launch_dir), "--seq", "64", "--gbs", "4",
+         "--iterations", "100000", "--pg-timeout", "30"],
+        ["run", "launch", str(launch_dir)],
+        WAIT,
+        ["run", "logs", str(launch_dir), "--tail", "3"],
+        ["run", "stop", str(launch_dir)],
         ["rollout", "run", "-i", inv, "--model", "tiny-moe", "--soak-duration", soak, *DEMO_ROLLOUT,
          "--run-dir", str(run_dir)],
         ["report", str(run_dir), "--html", str(run_dir / "report.html")],
     ]
     started = time.monotonic()
+    number = 0
     try:
-        for number, args in enumerate(steps, 1):
+        for args in steps:
+            if args is WAIT:
+                info(f"letting the launched run train for {LAUNCH_SECONDS} s")
+                time.sleep(LAUNCH_SECONDS)
+                continue
+            number += 1
             _step(number, args)
     finally:
         if not keep:
-            _step(len(steps) + 1, ["sim", "down"])
+            _step(number + 1, ["sim", "down"])
     info(f"demo finished in {time.monotonic() - started:.0f} s; report: {run_dir / 'report.html'}")
 
 

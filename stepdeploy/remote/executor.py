@@ -1,6 +1,6 @@
 """The executor protocol: what the controller can do to a rendered run on its nodes, and the values it gets
 back. Every call answers per node (a node that cannot be reached is one entry, never an exception that
-hides the others). Implementations: fabric_executor (SSH); Slurm comes later.
+hides the others). Implementations: fabric_executor (SSH to every node) and slurm_executor (one sbatch job).
 
 The run's state lives on the nodes (pid file, exit code, per-rank status and heartbeat files), never in the
 controller, so a controller that died can be replaced by a new one that polls, streams or stops the run.

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,3 +86,23 @@ def sim_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         report = down(cfg)
         assert report.leftovers == [], f"sim down left: {report.leftovers}"
+
+
+def stepdeploy_cli(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess (as a user runs it), output captured."""
+    return subprocess.run([sys.executable, "-m", "stepdeploy", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def processes_of(cfg: SimConfig, run_id: str) -> dict[str, str]:
+    """Processes on each node of a 2-node cluster whose command line names the run (workload, torchrun,
+    launch.sh): empty strings when nothing of the run is left."""
+    from stepdeploy.remote.ssh import connection
+
+    found = {}
+    for i in (1, 2):
+        ep = Endpoint(host=cfg.address(i), key_file=cfg.client_key, known_hosts=cfg.known_hosts)
+        with connection(ep) as conn:
+            res = conn.run(f"pgrep -af -- {shlex.quote(run_id)} | grep -v pgrep || true", hide=True)
+        found[f"node{i}"] = res.stdout.strip()
+    return found

@@ -19,7 +19,7 @@ from stepdeploy.ledger import Ledger
 from stepdeploy.remote.ssh import Endpoint, connection
 from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import private_cluster
+from .conftest import private_cluster, processes_of, stepdeploy_cli
 
 # The simulated nodes share this machine's 2 cores, so two ranks cannot scale like two GPUs would: the
 # scaling-efficiency gate is set for that environment here (its default, 0.7, is for real hardware).
@@ -34,19 +34,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimConfig]:
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stepdeploy", *args], capture_output=True, text=True,
-                          timeout=900, cwd=cwd)
+    return stepdeploy_cli(*args, cwd=cwd, timeout=900)
 
 
-def _processes_of(cfg: SimConfig, run_id: str) -> dict[str, str]:
-    """Processes on each node whose command line names the run (the workload, torchrun, launch.sh)."""
-    found = {}
-    for i in (1, 2):
-        ep = Endpoint(host=cfg.address(i), key_file=cfg.client_key, known_hosts=cfg.known_hosts)
-        with connection(ep) as conn:
-            res = conn.run(f"pgrep -af -- {run_id} | grep -v pgrep || true", hide=True)
-        found[f"node{i}"] = res.stdout.strip()
-    return found
+_processes_of = processes_of
 
 
 def test_failing_gate_stops_then_resume_completes_and_report_renders(cluster: SimConfig, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from stepdeploy.ledger import Ledger
 from stepdeploy.remote.ssh import Endpoint, connection
 from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import private_cluster
+from .conftest import private_cluster, stepdeploy_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "4", "--checkpoint-interval", "2",
@@ -60,8 +60,7 @@ def _on(cfg: SimConfig, index: int, command: str) -> str:
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stepdeploy", *args], capture_output=True, text=True,
-                          timeout=600, cwd=cwd)
+    return stepdeploy_cli(*args, cwd=cwd, timeout=600)
 
 
 def _controller(args: list[str], cwd: Path) -> subprocess.Popen[str]:
