@@ -36,6 +36,9 @@ class Stopped(Exception):
 
 
 def _on_term(signum: int, _frame: object) -> None:
+    # A stop brings up to three SIGTERMs (the controller's, torchrun's, the parent-death one): later ones must
+    # not interrupt the first one's exit record (the rank would then read as killed, not stopped).
+    signal.signal(signum, signal.SIG_IGN)
     raise Stopped(f"signal {signal.Signals(signum).name}")
 
 

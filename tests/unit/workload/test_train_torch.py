@@ -97,6 +97,25 @@ def test_sigterm_stops_the_rank_with_143(tmp_path: Path) -> None:
     assert status["state"] == "exited" and status["reason"] == "stopped by signal SIGTERM"
 
 
+def test_after_the_first_sigterm_later_ones_are_ignored() -> None:
+    """A stop sends up to three SIGTERMs (controller, torchrun, parent death); a later one arriving while the
+    rank writes its exit record would cut it short and the rank would read as killed, not stopped (seen in the
+    simulated cluster's detach-and-stop test)."""
+    import train
+
+    previous = signal.signal(signal.SIGTERM, train._on_term)
+    try:
+        try:
+            train._on_term(signal.SIGTERM, None)
+        except train.Stopped as exc:
+            assert str(exc) == "signal SIGTERM"
+        else:
+            raise AssertionError("the first SIGTERM must stop the rank")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_synthetic_tokens_are_deterministic_and_differ_per_rank() -> None:
     import engine_torch
 
