@@ -105,19 +105,20 @@ def follow(executor: FabricExecutor, live: Live, *, deadline: float, interval: f
            should_stop: Callable[[], bool], on_tick: Callable[[Live], None],
            check: Callable[[RunStatus], str | None] | None = None) -> tuple[RunStatus, str]:
     """Poll until the run ends, the deadline passes or a stop is requested; returns (status, why it ended).
-    `check` (the soak's monitors and fault injection) sees every poll; a reason it returns ends the follow."""
+    `check` (the soak's monitors and fault injection) sees every poll; a reason it returns ends the follow.
+    A requested stop is looked at first: ranks that `rollout stop` killed are a stop, not a crash to restart."""
     while True:
         status = executor.poll()
         live.status = status
         live.last = latest_metrics(executor) or live.last
         live.iteration = live.last.get("iteration", live.iteration)
         on_tick(live)
+        if should_stop():
+            return status, "stop requested"
         if check is not None and (reason := check(status)):
             return status, reason
         if not status.running:
             return status, "exited"
-        if should_stop():
-            return status, "stop requested"
         if time.time() >= deadline:
             return status, "deadline"
         time.sleep(interval)

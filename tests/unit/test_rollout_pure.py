@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,40 @@ def test_live_view_shows_per_rank_step_time_and_gpu_memory(tmp_path: Path) -> No
     text = buf.getvalue()
     assert "target: iteration 7/10 — loss 5.2500, 1,234 tok/s, step 0.500 s" in text
     assert "0.625 s" in text and "20.8 GiB" in text
+
+
+class _Polls:
+    """An executor stand-in for follow()'s decision order: it returns the given statuses, one per poll."""
+
+    def __init__(self, *statuses: object) -> None:
+        self.statuses, self.targets = list(statuses), []
+
+    def poll(self) -> object:
+        return self.statuses.pop(0)
+
+    def run_command(self, command: str, targets: object = None) -> list[object]:
+        return []
+
+
+def test_follow_looks_at_a_requested_stop_before_the_monitors_and_the_exit() -> None:
+    """Ranks that `rollout stop` killed must end the follow as a stop, not as a crash the soak restarts
+    (the race the Slurm executor's stop test met)."""
+    from stepdeploy.remote.executor import NodeStatus, RankStatus, RunStatus
+    from stepdeploy.rollout.attempt import Live, follow
+
+    killed = RunStatus((NodeStatus("node1", "exited", 137, (RankStatus(0, "node1", 5, "died"),)),))
+    seen: list[object] = []
+
+    def check(status: object) -> str:
+        seen.append(status)
+        return "crash: node1 rank 0"
+
+    status, why = follow(_Polls(killed), Live(), deadline=time.time() + 60, interval=0.01,
+                         should_stop=lambda: True, on_tick=lambda _live: None, check=check)
+    assert (status, why) == (killed, "stop requested") and seen == []
+    status, why = follow(_Polls(killed), Live(), deadline=time.time() + 60, interval=0.01,
+                         should_stop=lambda: False, on_tick=lambda _live: None, check=check)
+    assert why == "crash: node1 rank 0" and seen == [killed]
+    finished = RunStatus((NodeStatus("node1", "exited", 0),))
+    assert follow(_Polls(finished), Live(), deadline=time.time() + 60, interval=0.01, should_stop=lambda: False,
+                  on_tick=lambda _live: None)[1] == "exited"
