@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the GPU machine has the repository, not an installed stepdeploy
+from stepdeploy.workload.ckpt import latest_iteration  # noqa: E402  (standard library only)
+
 REMOTE = "/tmp/sdruns"
 DENSE, MOE = "proxy-0.7b-dense", "proxy-0.7b-moe"
 
@@ -141,8 +144,8 @@ def _collect(run: Path, log: Path) -> dict:
     out["metrics"] = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     trace = run / "out" / "memtrace.json"
     out["memtrace"] = json.loads(trace.read_text()) if trace.exists() else {}
-    latest = run / "out" / "checkpoints" / "latest"
-    out["latest_checkpoint"] = latest.read_text().strip() if latest.exists() else None
+    latest = latest_iteration(run / "out" / "checkpoints")
+    out["latest_checkpoint"] = None if latest is None else str(latest)
     return out
 
 
@@ -168,7 +171,7 @@ def run_one(plan_dir: Path, entry: dict, work: Path) -> dict:
     result: dict = {}
     proc = _launch(str(run), name, log, 400)
     if kind == "resume":
-        while proc.poll() is None and int(_collect(run, log)["latest_checkpoint"] or 0) < entry["kill_after"]:
+        while proc.poll() is None and (latest_iteration(run / "out" / "checkpoints") or 0) < entry["kill_after"]:
             time.sleep(0.5)
         _kill_run(run)
         proc.wait()

@@ -41,16 +41,12 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
 
 def executor_for(run_dir: Path, inventory: str | None) -> FabricExecutor:
     """The run's executor as its manifest says: a Slurm job (sbatch.sh) or SSH to every node."""
-    from stepdeploy.remote.fabric_executor import executor_for_manifest  # SSH stack: only when used
+    from stepdeploy.remote.fabric_executor import executor_for_run  # SSH stack: only when used
 
     manifest = read_manifest(run_dir)
     cluster = load_cluster(inventory or manifest["inputs"]["inventory"]["path"])
     try:
-        if manifest.get("executor") == "slurm":
-            from stepdeploy.remote.slurm_executor import slurm_executor_for_manifest
-
-            return slurm_executor_for_manifest(manifest, cluster, run_dir)  # type: ignore[return-value]
-        return executor_for_manifest(manifest, cluster)
+        return executor_for_run(manifest, cluster, run_dir)
     except KeyError as exc:
         raise BadInput(f"{exc.args[0]}; the run was rendered for other nodes") from None
 

@@ -8,7 +8,6 @@ sample; every path and interface name is shell-quoted.
 
 from __future__ import annotations
 
-import base64
 import re
 import shlex
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 from stepdeploy.monitor import parse_gpu, parse_host, parse_workload
 from stepdeploy.monitor.model import NodeSample
+from stepdeploy.remote import sections
 
 MARK = "@@stepdeploy-monitor@@"
 NO_TOOL_RC = 127  # nvidia-smi absent: a CPU node, not an error
@@ -87,26 +87,17 @@ def commands(spec: ProbeSpec) -> dict[str, str]:
 
 
 def script(spec: ProbeSpec) -> str:
-    lines = ["exec 2>&1"]
-    for name, cmd in commands(spec).items():
-        lines.append(f"echo '{MARK} begin {name}'")
-        lines.append(f"timeout -k 2 {int(spec.section_timeout_s)} sh -c {shlex.quote(cmd)} </dev/null; rc=$?")
-        lines.append(f"echo; echo \"{MARK} end {name} $rc\"")
-    return "\n".join(lines) + "\n"
+    return sections.script(MARK, commands(spec), spec.section_timeout_s)
 
 
 def remote_command(spec: ProbeSpec) -> str:
-    """The single command to run on a node (base64 spares it every quoting problem of the login shell)."""
-    return f"echo {base64.b64encode(script(spec).encode()).decode()} | base64 -d | sh"
-
-
-_SECTION = re.compile(rf"^{re.escape(MARK)} begin (\S+)\n(.*?)\n?^{re.escape(MARK)} end \1 (\d+)$",
-                      re.MULTILINE | re.DOTALL)
+    """The single command to run on a node."""
+    return sections.remote_command(script(spec))
 
 
 def split(output: str) -> dict[str, tuple[int, str]]:
     """Probe output -> {section: (rc, text)}. A section cut off (the node died mid-probe) is absent."""
-    return {m.group(1): (int(m.group(3)), m.group(2).rstrip("\n")) for m in _SECTION.finditer(output)}
+    return sections.split(MARK, output)
 
 
 def _clock(text: str, fallback: float) -> float:

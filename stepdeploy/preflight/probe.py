@@ -7,12 +7,11 @@ script and splitting its output touch nothing.
 
 from __future__ import annotations
 
-import base64
-import re
 import shlex
 from dataclasses import dataclass
 
 from stepdeploy.preflight.model import Section
+from stepdeploy.remote import sections
 
 MARK = "@@stepdeploy-preflight@@"
 DEFAULT_PYTHONS = ("/opt/stepdeploy/venv/bin/python", "python3")
@@ -107,28 +106,14 @@ def commands(spec: ProbeSpec) -> dict[str, str]:
 
 def script(spec: ProbeSpec) -> str:
     """The whole probe: every section framed by markers, each under its own timeout."""
-    lines = ["exec 2>&1"]
-    for name, cmd in commands(spec).items():
-        lines.append(f"echo '{MARK} begin {name}'")
-        lines.append(f"timeout -k 2 {spec.section_timeout_s} sh -c {shlex.quote(cmd)} </dev/null; rc=$?")
-        lines.append(f"echo; echo \"{MARK} end {name} $rc\"")
-    return "\n".join(lines) + "\n"
+    return sections.script(MARK, commands(spec), spec.section_timeout_s)
 
 
 def remote_command(spec: ProbeSpec) -> str:
     """A one-line command that runs the probe under sh wherever the login shell is (no quoting issues)."""
-    encoded = base64.b64encode(script(spec).encode()).decode()
-    return f"echo {encoded} | base64 -d | sh"
-
-
-_SECTION = re.compile(rf"^{re.escape(MARK)} begin (\S+)\n(.*?)\n?^{re.escape(MARK)} end \1 (\d+)$",
-                      re.MULTILINE | re.DOTALL)
+    return sections.remote_command(script(spec))
 
 
 def split(output: str) -> dict[str, Section]:
     """Probe output -> {section: Section}. A section cut off (the node died mid-probe) is absent."""
-    sections = {}
-    for match in _SECTION.finditer(output):
-        text = match.group(2)
-        sections[match.group(1)] = Section(rc=int(match.group(3)), text=text.rstrip("\n"))
-    return sections
+    return {name: Section(rc=rc, text=text) for name, (rc, text) in sections.split(MARK, output).items()}

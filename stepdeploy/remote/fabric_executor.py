@@ -273,4 +273,15 @@ def executor_for_manifest(manifest: dict[str, Any], cluster: Cluster) -> FabricE
     return FabricExecutor(manifest["run_id"], manifest["run_dir"], targets_from(manifest, endpoints))
 
 
-__all__ = ["EXITED", "RUNNING", "FabricExecutor", "Target", "executor_for_manifest", "targets_from"]
+def executor_for_run(manifest: dict[str, Any], cluster: Cluster, local_run: Path) -> Any:
+    """The executor a rendered run was made for: one Slurm job when its manifest says `executor: slurm` (job
+    events go to the rollout's ledger when the run is a rollout attempt), else SSH to every node."""
+    if manifest.get("executor") == "slurm":
+        from stepdeploy.remote.slurm_executor import ledger_sink, slurm_executor_for_manifest
+
+        return slurm_executor_for_manifest(manifest, cluster, local_run, ledger_sink(local_run, manifest))
+    return executor_for_manifest(manifest, cluster)
+
+
+__all__ = ["EXITED", "RUNNING", "FabricExecutor", "Target", "executor_for_manifest", "executor_for_run",
+           "targets_from"]

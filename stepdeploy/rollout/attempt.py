@@ -17,7 +17,7 @@ from stepdeploy.catalog import load_hardware, load_model
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.remote.executor import RunStatus
-from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_manifest
+from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_run
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
 from stepdeploy.render.build import choose_layout, write_run
 from stepdeploy.rollout.ladder import Rung, sub_cluster
@@ -69,12 +69,7 @@ def render_attempt(cluster: Cluster, rung: Rung, opts: RenderOptions, layout: st
 def executor_for(cluster: Cluster, local_run: Path) -> FabricExecutor | SlurmExecutor:
     """The executor the run was rendered for: slurm when its manifest says so (sbatch.sh; job events go to
     the rollout's ledger), else the SSH one."""
-    manifest = json.loads((local_run / "manifest.json").read_text())
-    if manifest.get("executor") == "slurm":
-        from stepdeploy.remote.slurm_executor import ledger_sink, slurm_executor_for_manifest
-
-        return slurm_executor_for_manifest(manifest, cluster, local_run, ledger_sink(local_run, manifest))
-    return executor_for_manifest(manifest, cluster)
+    return executor_for_run(json.loads((local_run / "manifest.json").read_text()), cluster, local_run)
 
 
 def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:

@@ -11,6 +11,8 @@ Checkpoints need a directory that all ranks share (one node, or a shared FS).
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -275,9 +277,6 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
 def config_overrides(rank: int) -> dict[str, Any]:
     """TransformerConfig fields from STEPDEPLOY_MCORE_OVERRIDES (a JSON object; `render --env` sets it), for
     measuring a megatron-core option before making it the engine's default."""
-    import json
-    import os
-
     overrides = json.loads(os.environ.get("STEPDEPLOY_MCORE_OVERRIDES") or "{}")
     if overrides:
         log(rank, f"TransformerConfig overrides from STEPDEPLOY_MCORE_OVERRIDES: {overrides}")
@@ -343,8 +342,6 @@ def distopt_sharding() -> str:
     """The distributed optimizer's checkpoint format (STEPDEPLOY_DISTOPT_SHARDING overrides, for experiments).
 
     dp_reshardable: every rank writes and reads its own optimizer shard, no gather (resharding only in DP)."""
-    import os
-
     return os.environ.get("STEPDEPLOY_DISTOPT_SHARDING", "dp_reshardable")
 
 
@@ -429,9 +426,8 @@ class MemoryTrace:
     planner's memory model is checked against, component by component."""
 
     def __init__(self, out_dir: Path, rank: int) -> None:
-        import os
-
-        self.path = out_dir / "memtrace.json" if rank == 0 and os.environ.get("STEPDEPLOY_MEMTRACE") == "1" else None
+        wanted = rank == 0 and os.environ.get("STEPDEPLOY_MEMTRACE") == "1"
+        self.path = out_dir / "memtrace.json" if wanted else None
         self.phases: dict[str, dict[str, float]] = {}
 
     def mark(self, phase: str) -> None:
