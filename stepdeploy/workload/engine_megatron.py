@@ -17,14 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ckpt
 import experts_grouped
+import megatron_ckpt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import traces
 from metrics import RankFiles, log
 
 POOL = 16  # distinct synthetic micro-batches, cycled
+WEIGHT_DECAY = 0.1
 
 
 def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -204,21 +206,20 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     dp = ps.get_data_parallel_world_size()
     micro_batches = gbs // (mbs * dp)
     config = TransformerConfig(**(transformer_config_kwargs(cfg) | config_overrides(rank)))
-    trace = MemoryTrace(out_dir, rank)
+    trace = traces.MemoryTrace(out_dir, rank)
     model = build_model(cfg, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()).cuda()
     model = Float16Module(config, model)
     p = cfg["parallel"]
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=p["overlap_grad_reduce"],
-                                               use_distributed_optimizer=p["distributed_optimizer"])
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp = ddp_config_kwargs(cfg)
+    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp), module=model)
     trace.mark("model")
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
-    if p["overlap_grad_reduce"]:
+    if ddp["overlap_grad_reduce"]:
         config.grad_sync_func = model.start_grad_sync
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=t["lr"], weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, bf16=True,
-                        use_distributed_optimizer=p["distributed_optimizer"], clip_grad=1.0), [model])
+        OptimizerConfig(optimizer="adam", lr=t["lr"], weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95,
+                        bf16=True, use_distributed_optimizer=p["distributed_optimizer"], clip_grad=1.0), [model])
     trace.mark("optimizer")
     params = sum(q.numel() for q in model.parameters())
     attention = "flash-attn" if flash_attn_func() is not None else "torch SDPA"
@@ -245,14 +246,18 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
 
     forward_backward = get_forward_backward_func()
     ckpt_dir = out_dir / "checkpoints"
-    start = resume(model, optimizer, ckpt_dir, rank)
+    start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank)
     torch.cuda.reset_peak_memory_stats()
+    profile = traces.StepProfile(out_dir, rank, os.environ.get("STEPDEPLOY_PROFILE"))
     for iteration in range(start + 1, t["iterations"] + 1):
+        profile.before(iteration)
         torch.cuda.synchronize()
         began = time.perf_counter()
         lr = lr_at(iteration, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
+            # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
+            group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(iteration), model=[model],
@@ -260,18 +265,36 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
                                   decoder_seq_length=seq, forward_only=False)
         if iteration <= start + 2:
             trace.mark(f"forward_backward_{iteration - start}")
+        torch.cuda.synchronize()
+        backward_done = time.perf_counter()
         _ok, grad_norm, _zeros = optimizer.step()
         if iteration <= start + 2:
             trace.mark(f"optimizer_step_{iteration - start}")
         torch.cuda.synchronize()
         step = time.perf_counter() - began
+        fb = backward_done - began
+        phases: dict[str, Any] = {"forward_backward_s": round(fb, 4), "optimizer_s": round(step - fb, 4)}
+        if profile.after(iteration, step):
+            phases["profiled"] = True  # the profiler's overhead is in this step: means leave it out
         loss = (sum(x["lm loss"] for x in losses) / len(losses)).float() if losses else torch.zeros((), device="cuda")
-        report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage())
+        report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage(), phases)
         if t["save_interval"] and iteration % t["save_interval"] == 0:
-            save(model, optimizer, ckpt_dir, iteration, rank)
+            megatron_ckpt.save(model, optimizer, ckpt_dir, iteration, rank)
     trace.mark("end")
     ps.destroy_model_parallel()
     return 0
+
+
+def ddp_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """megatron-core DistributedDataParallelConfig arguments from workload.json (pure). Gradients are reduced in
+    fp32 (what megatron's training loop does for bf16). With the distributed optimizer and overlap_param_gather,
+    the parameters' all-gather after the optimizer step runs bucket by bucket under the next forward; otherwise
+    the step waits for it (the planner settles which: plan.search.settle_param_gather)."""
+    p = cfg["parallel"]
+    return {"grad_reduce_in_fp32": True, "overlap_grad_reduce": p["overlap_grad_reduce"],
+            "use_distributed_optimizer": p["distributed_optimizer"],
+            "overlap_param_gather": bool(p.get("overlap_param_gather") and p["distributed_optimizer"]
+                                         and p["overlap_grad_reduce"])}
 
 
 def config_overrides(rank: int) -> dict[str, Any]:
@@ -289,7 +312,7 @@ def lr_at(iteration: int, t: dict[str, Any]) -> float:
 
 
 def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Tensor, grad_norm: float | None,
-           lr: float, step: float, world: int, last_stage: bool) -> None:
+           lr: float, step: float, world: int, last_stage: bool, phases: dict[str, Any] | None = None) -> None:
     t = cfg["training"]
     stats = torch.tensor([loss.item() if last_stage else 0.0, 1.0 if last_stage else 0.0], device="cuda")
     dist.all_reduce(stats)
@@ -312,128 +335,7 @@ def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Te
               "rank_step_time_s": [round(float(x), 4) for x in times],
               "mem_allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
               "mem_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
-              "mem_peak_gib": round(float(peak), 2), "mfu": mfu, "time": time.time()}
+              "mem_peak_gib": round(float(peak), 2), "mfu": mfu, "time": time.time(), **(phases or {})}
     files.record(values)
     log(0, f"iter {iteration}/{t['iterations']} loss {values['loss']:.4f} step {slowest:.3f}s "
            f"{tokens_per_s:,.0f} tok/s MFU {mfu} peak {values['mem_peak_gib']} GiB")
-
-
-def save(model: Any, optimizer: Any, ckpt_dir: Path, iteration: int, rank: int) -> None:
-    """dist-checkpointing into a staging directory; rank 0 commits it (rename, then `latest`)."""
-    from megatron.core import dist_checkpointing
-
-    if rank == 0:
-        ckpt.staging_dir(ckpt_dir, iteration)
-    dist.barrier()
-    staging = ckpt_dir / f".{ckpt.iteration_name(iteration)}.tmp"
-    # megatron adds process groups to the metadata dict it is given: each use gets a fresh one
-    state = sharded_state(model, optimizer, is_loading=False, metadata=checkpoint_metadata(optimizer))
-    dist_checkpointing.save(state, str(staging), content_metadata=checkpoint_metadata(optimizer))
-    dist.barrier()
-    if rank == 0:
-        ckpt.atomic_write_json(staging / "stepdeploy.json", {"iteration": iteration, "optimizer": True,
-                                                             "metadata": checkpoint_metadata(optimizer)})
-        ckpt.commit(ckpt_dir, iteration)
-        log(0, f"checkpoint {iteration} committed")
-    dist.barrier()
-
-
-def distopt_sharding() -> str:
-    """The distributed optimizer's checkpoint format (STEPDEPLOY_DISTOPT_SHARDING overrides, for experiments).
-
-    dp_reshardable: every rank writes and reads its own optimizer shard, no gather (resharding only in DP)."""
-    return os.environ.get("STEPDEPLOY_DISTOPT_SHARDING", "dp_reshardable")
-
-
-def checkpoint_metadata(optimizer: Any) -> dict[str, Any]:
-    """What megatron's own training loop passes to sharded_state_dict (and saves as the checkpoint's content
-    metadata, so a load builds its state dict for the format the checkpoint holds)."""
-    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if _is_distributed(optimizer):
-        metadata["distrib_optim_sharding_type"] = distopt_sharding()
-    return metadata
-
-
-def _is_distributed(optimizer: Any) -> bool:
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return any(type(o).__name__ == "DistributedOptimizer" for o in inner)
-
-
-def sharded_state(model: Any, optimizer: Any, is_loading: bool, metadata: dict[str, Any]) -> dict:
-    """The model's and the optimizer's sharded state dicts, built as megatron's training loop builds them."""
-    model_sd = model.module.sharded_state_dict(metadata=metadata)  # through DDP to Float16Module -> GPTModel
-    return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
-
-
-def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int) -> int:
-    """Load the checkpoint `latest` names (all ranks share ckpt_dir): weights and optimizer state, or fail
-    loudly (a resume that silently drops the optimizer state is not a resume). 0 for a fresh start."""
-    from megatron.core import dist_checkpointing
-
-    iteration = ckpt.latest_iteration(ckpt_dir)
-    if iteration is None:
-        return 0
-    where = ckpt_dir / ckpt.iteration_name(iteration)
-    metadata = dist_checkpointing.load_content_metadata(str(where)) or checkpoint_metadata(optimizer)
-    materialize_optimizer_state(optimizer)
-    state = sharded_state(model, optimizer, is_loading=True, metadata=dict(metadata))
-    loaded = dist_checkpointing.load(state, str(where))
-    model.module.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-    restore_adam_steps(optimizer, loaded["optimizer"])
-    log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, "
-              f"{metadata.get('distrib_optim_sharding_type', 'no distributed optimizer')})")
-    return iteration
-
-
-def materialize_optimizer_state(optimizer: Any) -> None:
-    """torch's Adam creates its state (step, exp_avg, exp_avg_sq) at its first step, and megatron's
-    DistributedOptimizer.state_dict() -- called to build the state dict a checkpoint loads into -- asserts
-    that it exists (with Apex/TE's FusedAdam it need not). Take one zero-gradient step on every inner
-    optimizer that has no state yet; the load then overwrites every value, main parameters included."""
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        torch_optimizer = inner.optimizer
-        if len(torch_optimizer.state):
-            continue
-        for group in torch_optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = torch.zeros_like(param)
-        torch_optimizer.step()
-        torch_optimizer.zero_grad(set_to_none=True)
-
-
-def restore_adam_steps(optimizer: Any, loaded: Any) -> None:
-    """Put back Adam's step count after a load. With torch's Adam (no Apex/TE) megatron-core 0.16-0.19's
-    dp_reshardable load restores `step` from the checkpoint's param_groups, then copies every 0-dim state
-    tensor of the bucket state over it -- `step` included, which that format keeps local (not saved) -- so
-    the step silently becomes the fresh optimizer's. Adam's bias correction depends on it."""
-    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    states = [loaded] if len(inners) == 1 else [state for _key, state in sorted(loaded.items())]
-    for inner, state in zip(inners, states, strict=True):
-        groups = state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []
-        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
-        if len(steps) != 1:
-            continue
-        step = steps.pop()
-        for param_state in inner.optimizer.state.values():
-            if torch.is_tensor(param_state.get("step")):
-                param_state["step"].fill_(step)
-
-
-class MemoryTrace:
-    """Rank 0's allocated/peak GiB at named phases (out/memtrace.json), when STEPDEPLOY_MEMTRACE=1: what the
-    planner's memory model is checked against, component by component."""
-
-    def __init__(self, out_dir: Path, rank: int) -> None:
-        wanted = rank == 0 and os.environ.get("STEPDEPLOY_MEMTRACE") == "1"
-        self.path = out_dir / "memtrace.json" if wanted else None
-        self.phases: dict[str, dict[str, float]] = {}
-
-    def mark(self, phase: str) -> None:
-        if self.path is None:
-            return
-        torch.cuda.synchronize()
-        self.phases[phase] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
-                              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
-        ckpt.atomic_write_json(self.path, self.phases)

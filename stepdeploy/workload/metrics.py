@@ -20,6 +20,7 @@ from ckpt import atomic_write_json
 
 METRIC_KEYS = ("iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
                "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu", "time")
+OPTIONAL_KEYS = ("forward_backward_s", "optimizer_s", "profiled")  # the megatron engine's, written when given
 
 
 class RankFiles:
@@ -43,8 +44,8 @@ class RankFiles:
         atomic_write_json(self.status, status)
 
     def record(self, values: dict[str, Any]) -> None:
-        """Append one metrics line (rank 0 only); missing keys are written as null."""
-        line = {key: values.get(key) for key in METRIC_KEYS}
+        """Append one metrics line (rank 0 only); missing keys are written as null, optional ones left out."""
+        line = {key: values.get(key) for key in METRIC_KEYS} | {k: values[k] for k in OPTIONAL_KEYS if k in values}
         with open(self.metrics, "a") as handle:
             handle.write(json.dumps(line) + "\n")
 

@@ -3,8 +3,9 @@ CPU with megatron-core's real DDP, DistributedOptimizer and dist-checkpointing (
 
 megatron-core hard-codes CUDA in places (device='cuda' tensors, torch.cuda.*Tensor type checks), so this
 process first points those at the CPU -- which is why it must not share a process with other tests. Trains
-two steps, saves, builds a second model and optimizer from another seed, resumes, and prints one JSON line
-comparing weights, Adam state and Adam's step count with what was saved.
+two steps, saves, takes two more; builds a second model and optimizer from another seed, resumes, takes the same
+two steps, and prints one JSON line comparing weights, fp32 master weights, Adam state and step count with what
+was saved, and the resumed run's two steps with the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main(model_name: str, workdir: Path) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
     dist.init_process_group("gloo", rank=0, world_size=1)
     import engine_megatron as em
+    import megatron_ckpt
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -88,11 +90,17 @@ def main(model_name: str, workdir: Path) -> None:
         torch.manual_seed(seed)
         config = TransformerConfig(**kwargs)
         model = Float16Module(config, em.build_model(cfg, config))
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        ddp = DistributedDataParallelConfig(**em.ddp_config_kwargs(cfg))  # the engine's: overlapped param gather
         model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
                                                            use_distributed_optimizer=True), [model])
         return model, optimizer
+
+    def main_params(optimizer: Any) -> list[torch.Tensor]:
+        """The distributed optimizer's fp32 master copies of the bf16 weights (what the next update starts from)."""
+        inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        return [p.detach().clone() for inner in inners for group in inner.shard_fp32_from_float16_groups
+                for p in group]
 
     def adam_states(optimizer: Any) -> list[dict[str, torch.Tensor]]:
         inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
@@ -102,29 +110,49 @@ def main(model_name: str, workdir: Path) -> None:
     model, optimizer = build(1)
     pool = em.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, 0)
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)
-    for step in range(2):
+
+    def train_step(model: Any, optimizer: Any, step: int) -> float:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         tokens = pool[step]
-        model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
+        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+        loss.backward()
         model.finish_grad_sync()
         optimizer.step()
+        return float(loss)
+
+    for step in range(2):
+        train_step(model, optimizer, step)
     ckpt_dir = workdir / "checkpoints"
     shutil.rmtree(ckpt_dir, ignore_errors=True)
-    em.save(model, optimizer, ckpt_dir, 2, 0)
+    megatron_ckpt.save(model, optimizer, ckpt_dir, 2, 0)
     saved_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     saved_states = adam_states(optimizer)
+    saved_main = main_params(optimizer)
+    # the uninterrupted run's next two steps: the resumed run must take exactly the same ones
+    continued_losses = [train_step(model, optimizer, 2), train_step(model, optimizer, 3)]
+    continued_params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     model2, optimizer2 = build(7)
     differs_before = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
-    resumed = em.resume(model2, optimizer2, ckpt_dir, 0)
+    resumed = megatron_ckpt.resume(model2, optimizer2, ckpt_dir, 0)
     states = adam_states(optimizer2)
+    main = main_params(optimizer2)
+    params_differing = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
+    resumed_losses = [train_step(model2, optimizer2, 2), train_step(model2, optimizer2, 3)]
     print(json.dumps({
         "resumed": resumed, "params": len(saved_params), "params_differing_before": differs_before,
-        "params_differing": sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters()),
+        "params_differing": params_differing,
         "adam_states": [len(saved_states), len(states)],
         "adam_tensors_differing": sum(not torch.equal(a[k], b[k]) for a, b in zip(saved_states, states, strict=True)
                                       for k in a if k != "step"),
+        "main_params": [len(saved_main), len(main)],
+        "main_params_differing": sum(not torch.equal(a, b) for a, b in zip(saved_main, main, strict=True)),
+        "main_params_max_diff": max((float((a - b).abs().max()) for a, b in zip(saved_main, main, strict=True)
+                                     if a.numel()), default=0.0),
+        "losses_continued": continued_losses, "losses_resumed": resumed_losses,
+        "params_differing_after_2_steps": sum(not torch.equal(p, continued_params[n])
+                                              for n, p in model2.named_parameters()),
         "steps_saved": sorted({float(s["step"]) for s in saved_states}),
         "steps_resumed": sorted({float(s["step"]) for s in states}),
         "latest": (ckpt_dir / "latest").read_text().strip()}))

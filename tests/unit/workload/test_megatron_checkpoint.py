@@ -17,7 +17,7 @@ pytest.importorskip("psutil", reason="dist-checkpointing's writer needs psutil")
 
 
 @pytest.mark.parametrize("model", ["tiny-moe"])
-def test_save_then_resume_restores_weights_adam_state_and_step(model: str, tmp_path: Path) -> None:
+def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_run(model: str, tmp_path: Path) -> None:
     script = Path(__file__).with_name("megatron_cpu_checkpoint.py")
     proc = subprocess.run([sys.executable, str(script), model, str(tmp_path)], capture_output=True, text=True,
                           timeout=600, check=False)
@@ -31,3 +31,9 @@ def test_save_then_resume_restores_weights_adam_state_and_step(model: str, tmp_p
     assert result["adam_tensors_differing"] == 0, result
     # Adam's bias correction needs the step: megatron's load would leave the fresh optimizer's 1
     assert result["steps_saved"] == result["steps_resumed"] == [2.0], result
+    saved_main, resumed_main = result["main_params"]
+    assert saved_main == resumed_main > 0 and result["main_params_differing"] == 0, result
+    # the resumed run continues exactly as the uninterrupted one (CPU, one rank: deterministic). Before each
+    # parameter got a step tensor of its own, the second step differed: one shared tensor counted every parameter
+    assert result["losses_resumed"] == result["losses_continued"], result
+    assert result["params_differing_after_2_steps"] == 0, result

@@ -42,6 +42,21 @@ def test_plan_maps_to_megatron_config_and_parallel_sizes() -> None:
     assert dense["activation_func"] is torch.nn.functional.silu
 
 
+@pytest.mark.parametrize(("layout", "param_gather"), [
+    (Layout(), True),  # the planner's default, and what its step time assumes
+    (Layout(overlap_param_gather=False), False),
+    (Layout(distributed_optimizer=False), False),  # nothing to gather without the distributed optimizer
+    (Layout(overlap_grad_reduce=False), False),
+])
+def test_ddp_config_follows_the_layout_param_gather_overlap_included(layout: Layout, param_gather: bool) -> None:
+    kwargs = engine_megatron.ddp_config_kwargs(cfg_for("tiny-dense", layout, world=2))
+    assert kwargs["overlap_param_gather"] is param_gather
+    assert kwargs["overlap_grad_reduce"] is layout.overlap_grad_reduce
+    assert kwargs["use_distributed_optimizer"] is layout.distributed_optimizer
+    assert kwargs["grad_reduce_in_fp32"] is True
+    mcore.distributed.DistributedDataParallelConfig(**kwargs)  # megatron-core accepts every key
+
+
 
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
 def test_model_builds_on_cpu_with_sdpa_attention_and_learns(model: str, megatron_single_rank: None,

@@ -1,0 +1,117 @@
+"""Diagnostics of the megatron engine, off unless asked for: rank 0's memory at named phases
+(STEPDEPLOY_MEMTRACE=1) and a torch.profiler summary of chosen iterations (STEPDEPLOY_PROFILE=FIRST:LAST).
+Standard library + torch only (shipped as a file)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import ckpt
+import torch
+
+# kernel name -> category of GPU time; the first pattern that matches wins
+CATEGORIES = (
+    ("communication (NCCL)", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
+    ("grouped GEMM", re.compile(r"grouped", re.I)),
+    ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|wgmma", re.I)),
+    ("optimizer (Adam)", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("copies and fills", re.compile(r"memcpy|memset|copy|fill", re.I)),
+)
+
+
+class MemoryTrace:
+    """Rank 0's allocated/peak GiB at named phases (out/memtrace.json), when STEPDEPLOY_MEMTRACE=1: what the
+    planner's memory model is checked against, component by component."""
+
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        wanted = rank == 0 and os.environ.get("STEPDEPLOY_MEMTRACE") == "1"
+        self.path = out_dir / "memtrace.json" if wanted else None
+        self.phases: dict[str, dict[str, float]] = {}
+
+    def mark(self, phase: str) -> None:
+        if self.path is None:
+            return
+        torch.cuda.synchronize()
+        self.phases[phase] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+                              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+        ckpt.atomic_write_json(self.path, self.phases)
+
+
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """"FIRST:LAST" (or one iteration "N") -> (first, last); None when unset. ValueError names the form."""
+    if not text:
+        return None
+    first, _, last = text.partition(":")
+    try:
+        window = (int(first), int(last or first))
+    except ValueError:
+        raise ValueError(f"STEPDEPLOY_PROFILE={text!r}: expected FIRST:LAST iterations, e.g. 16:17") from None
+    if window[0] < 1 or window[1] < window[0]:
+        raise ValueError(f"STEPDEPLOY_PROFILE={text!r}: expected 1 <= FIRST <= LAST")
+    return window
+
+
+def categorize(kernels: list[tuple[str, float, int]]) -> dict[str, float]:
+    """(kernel name, GPU microseconds, calls) -> microseconds per category (CATEGORIES, then "other")."""
+    totals: dict[str, float] = {}
+    for name, micros, _calls in kernels:
+        category = next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
+        totals[category] = totals.get(category, 0.0) + micros
+    return totals
+
+
+def summarize(kernels: list[tuple[str, float, int]], wall_s: float, iterations: int) -> dict[str, Any]:
+    """Where an iteration's time goes: GPU time per category, and the part of the wall time in which no
+    compute kernel ran (communication that was not hidden, the host, synchronisation)."""
+    per_iteration = {k: v / iterations / 1e6 for k, v in categorize(kernels).items()}
+    compute = sum(v for k, v in per_iteration.items() if not k.startswith("communication"))
+    wall = wall_s / iterations
+    top = sorted(kernels, key=lambda k: -k[1])[:25]
+    return {"iterations": iterations, "wall_s": round(wall, 4),
+            "gpu_s_by_category": {k: round(v, 4) for k, v in sorted(per_iteration.items(), key=lambda kv: -kv[1])},
+            "compute_s": round(compute, 4), "no_compute_s": round(max(0.0, wall - compute), 4),
+            "top_kernels": [{"name": n[:160], "s_per_iteration": round(us / iterations / 1e6, 5), "calls": c}
+                            for n, us, c in top]}
+
+
+class StepProfile:
+    """torch.profiler over iterations FIRST..LAST (STEPDEPLOY_PROFILE), every rank: out/profile-rank<R>.json
+    with GPU time per kernel category, the wall time, and the top kernels (CPU operators' time on a machine
+    without a GPU). The profiled iterations are
+    flagged in metrics.jsonl so that step-time means can leave them out."""
+
+    def __init__(self, out_dir: Path, rank: int, spec: str | None) -> None:
+        self.window = parse_window(spec)
+        self.path = out_dir / f"profile-rank{rank}.json"
+        self.profiler: Any = None
+        self.on_gpu = False
+        self.wall = 0.0
+
+    def before(self, iteration: int) -> None:
+        if self.window and iteration == self.window[0]:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.on_gpu = torch.cuda.is_available()
+            self.profiler = profile(activities=[ProfilerActivity.CUDA if self.on_gpu else ProfilerActivity.CPU])
+            self.profiler.__enter__()
+
+    def after(self, iteration: int, step_s: float) -> bool:
+        """Account the iteration just timed; True when it was profiled."""
+        if self.profiler is None:
+            return False
+        self.wall += step_s
+        if iteration == self.window[1]:
+            self.profiler.__exit__(None, None, None)
+            kernels = []
+            for event in self.profiler.key_averages():
+                micros = event.self_device_time_total if self.on_gpu else event.self_cpu_time_total
+                if micros > 0:
+                    kernels.append((event.key, float(micros), int(event.count)))
+            result = summarize(kernels, self.wall, self.window[1] - self.window[0] + 1)
+            ckpt.atomic_write_json(self.path, result | {"window": list(self.window)})
+            self.profiler = None
+        return True

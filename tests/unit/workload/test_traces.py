@@ -1,0 +1,62 @@
+"""The megatron engine's diagnostics: the profile window, kernel categories, and where an iteration's time goes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import traces  # noqa: E402  (tests/unit/workload/conftest.py puts the workload directory on sys.path)
+
+
+@pytest.mark.parametrize(("text", "window"), [(None, None), ("", None), ("16:17", (16, 17)), ("5", (5, 5)),
+                                             ("3:", (3, 3))])
+def test_profile_window(text: str | None, window: tuple[int, int] | None) -> None:
+    assert traces.parse_window(text) == window
+
+
+@pytest.mark.parametrize("text", ["a:b", "0:3", "7:6", ":4"])
+def test_bad_profile_window_is_refused_with_the_form(text: str) -> None:
+    with pytest.raises(ValueError, match="FIRST"):
+        traces.parse_window(text)
+
+
+def test_kernels_fall_into_categories_and_no_compute_time_is_what_is_left() -> None:
+    kernels = [
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 40_000.0, 10),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", 300_000.0, 200),
+        ("void cutlass::device_kernel<grouped_mm>", 200_000.0, 40),
+        ("void pytorch_flash::flash_fwd_kernel<...>", 60_000.0, 24),
+        ("void at::native::multi_tensor_apply_kernel<Adam...>", 20_000.0, 4),
+        ("void at::native::vectorized_elementwise_kernel<gelu>", 80_000.0, 300),
+    ]
+    result = traces.summarize(kernels, wall_s=1.5, iterations=2)
+    got = result["gpu_s_by_category"]
+    assert got == {"GEMM": 0.15, "grouped GEMM": 0.1, "other": 0.04, "attention": 0.03,
+                   "communication (NCCL)": 0.02, "optimizer (Adam)": 0.01}
+    assert result["wall_s"] == 0.75
+    assert result["compute_s"] == pytest.approx(0.33)  # communication is not compute
+    assert result["no_compute_s"] == pytest.approx(0.42)
+    assert result["top_kernels"][0]["name"].startswith("nvjet") and result["top_kernels"][0]["calls"] == 200
+
+
+def test_profile_covers_exactly_the_window_and_writes_its_summary(tmp_path: Path) -> None:
+    profile = traces.StepProfile(tmp_path, 3, "2:3")
+    flags = []
+    for iteration in range(1, 5):
+        profile.before(iteration)
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        flags.append(profile.after(iteration, 0.25))
+    assert flags == [False, True, True, False]
+    result = json.loads((tmp_path / "profile-rank3.json").read_text())
+    assert result["window"] == [2, 3] and result["iterations"] == 2 and result["wall_s"] == 0.25
+    assert any("mm" in k["name"] for k in result["top_kernels"])  # CPU operators' time without a GPU
+
+
+def test_no_profile_unless_asked(tmp_path: Path) -> None:
+    profile = traces.StepProfile(tmp_path, 0, None)
+    profile.before(1)
+    assert profile.after(1, 0.1) is False
+    assert not list(tmp_path.iterdir())
