@@ -42,6 +42,7 @@ class MoeSpec(_Frozen):
 class TrainingDefaults(_Frozen):
     seq_length: int = Field(gt=0)
     global_batch_size: int = Field(gt=0)
+    lr: float | None = Field(default=None, gt=0)  # peak learning rate; None: RenderOptions' DEFAULT_LR
 
 
 class ModelSpec(_Frozen):

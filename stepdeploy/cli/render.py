@@ -31,7 +31,7 @@ def render(
     nproc: int | None = typer.Option(None, "--nproc-per-node", min=1, help="Ranks per node (default: GPUs)."),
     pg_timeout: int = typer.Option(120, "--pg-timeout", min=1, help="Process-group timeout, seconds."),
     save_interval: int = typer.Option(0, "--save-interval", min=0, help="Checkpoint every N steps (0: at end)."),
-    lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate."),
+    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate (default: the model's, else 3e-3)."),
     seed_option: list[str] = typer.Option([], "--seed-option", help=f"{', '.join(SEED_OPTIONS)}."),
     env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE for every rank (quoted when rendered)."),
     no_nvls: bool = typer.Option(False, "--no-nvls", help="NCCL_NVLS_ENABLE=0 and the other multicast switches."),

@@ -40,6 +40,7 @@ SEED_OPTIONS: dict[str, tuple[str, str]] = {
     ),
 }
 
+DEFAULT_LR = 3e-3  # when neither --lr nor the catalog (training.lr) gives one: right for the tiny CPU models only
 STAGE_ITERATIONS = {"warmup": 20, "scale": 200, "soak": 2000}
 
 
@@ -60,7 +61,7 @@ class RenderOptions:
     pg_timeout_s: int = 120
     heartbeat_timeout_s: int = 480
     save_interval: int = 0  # 0: a checkpoint only at the end
-    lr: float = 3e-3
+    lr: float | None = None  # None: the model's catalog lr, else DEFAULT_LR
     seed: int = 1234
     disable_nvls: bool = False
     seed_options: tuple[str, ...] = ()
@@ -77,6 +78,8 @@ class RenderOptions:
             raise BadInput(f"unknown stage {self.stage!r}; use one of {', '.join(STAGE_ITERATIONS)}")
         if self.engine not in (None, "torch", "megatron"):
             raise BadInput(f"unknown engine {self.engine!r}; use torch or megatron")
+        if self.lr is not None and not self.lr > 0:
+            raise BadInput(f"learning rate {self.lr} must be positive")
         if self.executor not in (None, "fabric", "slurm"):
             raise BadInput(f"unknown executor {self.executor!r}; use fabric or slurm")
         if self.rendezvous not in ("static", "c10d"):

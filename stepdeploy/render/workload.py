@@ -13,7 +13,7 @@ from stepdeploy.errors import BadInput
 from stepdeploy.plan.flops import model_flops_per_token
 from stepdeploy.plan.layout import Layout
 from stepdeploy.plan.params import count_parameters
-from stepdeploy.render.options import RenderOptions
+from stepdeploy.render.options import DEFAULT_LR, RenderOptions
 
 MODEL_FIELDS_DROPPED = ("description", "sources", "training")
 
@@ -70,7 +70,7 @@ def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, eng
             "micro_batch_size": layout.mbs,
             "global_batch_size": gbs,
             "iterations": opts.effective_iterations,
-            "lr": opts.lr,
+            "lr": opts.lr or spec.training.lr or DEFAULT_LR,
             "warmup_iterations": max(1, opts.effective_iterations // 10),
             "seed": opts.seed,
             "save_interval": opts.save_interval,

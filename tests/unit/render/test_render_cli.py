@@ -94,3 +94,19 @@ def test_tensor_parallel_renders_without_sequence_parallelism_and_refuses_it_whe
 def test_invalid_layout_names_the_rule(tmp_path: Path) -> None:
     res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-dense", "--out", str(tmp_path / "r6"), "--layout", "ep=2")
     assert isinstance(res.exception, BadInput) and "cannot run" in res.exception.message
+
+
+def test_learning_rate_is_the_models_unless_given(tmp_path: Path) -> None:
+    def lr(text: str, model: str, *args: str) -> float:
+        out = tmp_path / f"run-{model}-{len(args)}"
+        result = run(tmp_path, text, "-m", model, "--out", str(out), *args)
+        assert result.exit_code == 0, result.output
+        return json.loads((out / "workload.json").read_text())["training"]["lr"]
+
+    assert lr(H200_INI, "proxy-0.7b-dense") == 2.5e-4  # the catalog's (3e-3 diverged on the H200)
+    assert lr(H200_INI, "proxy-0.7b-dense", "--lr", "1e-4") == 1e-4
+    assert lr(SIM_INI, "tiny-dense") == 3e-3  # no catalog lr: the default for the tiny CPU models
+    refused = run(tmp_path, SIM_INI, "-m", "tiny-dense", "--out", str(tmp_path / "bad"), "--lr", "0")
+    assert isinstance(refused.exception, BadInput) and "learning rate" in refused.exception.message
+    assert refused.exception.exit_code == 2
+    assert not (tmp_path / "bad").exists()
