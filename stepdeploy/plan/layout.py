@@ -27,7 +27,7 @@ class Layout:
     precision_aware_optimizer: bool = False
     sequence_parallel: bool | None = None  # None: on exactly when TP > 1
     overlap_grad_reduce: bool = True
-    overlap_param_gather: bool | None = None  # None: on exactly when the distributed optimizer is
+    overlap_param_gather: bool | None = None  # None: the planner's choice (plan.search.settle_param_gather)
     overlap_p2p_comm: bool = True
     overlap_moe_expert_parallel_comm: bool = False
     dispatcher: Dispatcher = "alltoall"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stepdeploy.catalog import Hardware
+from stepdeploy.catalog.hardware import Efficiency
 from stepdeploy.plan.activations import BF16, token_shards
 from stepdeploy.plan.cluster import ClusterShape
 from stepdeploy.plan.flops import model_flops_per_step, stage_flops_per_token
@@ -31,8 +32,14 @@ OFFLOAD_PCIE_GBPS = 50.0  # assumed: host <-> GPU copies of gradients and parame
 HOST_S_PER_LAYER = {"dense": 3.28e-3, "moe_sequential": 10.82e-3, "moe_grouped": 9.57e-3}
 # Grouped experts with EP > 1: the alltoall dispatcher copies the split sizes to the host once per MoE layer
 # (a sync); the GPU idles while the host catches up. (SequentialMLP syncs per layer anyway.) Measured: EP2 DP2
-# MBS 4 grouped 0.848 s; fitted: 3.2 ms per MoE layer and micro-batch.
-EP_SYNC_STALL_S = 3.2e-3
+# MBS 4 grouped 0.848 s; fitted: 4.3 ms per MoE layer and micro-batch (with grouped_expert_efficiency's rows curve,
+# which credits EP2's 4,096 rows per expert with faster GEMMs; 3.2 ms with a flat efficiency).
+EP_SYNC_STALL_S = 4.3e-3
+# overlap_param_gather within a node: the all-gather runs beside the next forward's GEMMs (NCCL on SMs and HBM)
+# and every module gets a pre-hook. Measured, 2 H200s, MoE proxy DP2 MBS 8 (two paired runs each): the forward-
+# backward took 18.5 ms more and the optimizer step 15.1 ms less than with the gather after the step: overlapping
+# cost 1.2 x what gathering after the step cost.
+PARAM_GATHER_OVERLAP_IN_NODE = 1.2
 # Measured: with 2 ranks on one host a host-bound micro-batch takes 1.2x as long (DP2 MBS 1: dense
 # 0.789 s / 16 = 49 ms vs 40 ms on 1 GPU; MoE 2.505 s / 16 = 157 ms vs 131 ms).
 HOST_MULTI_GPU = 1.2
@@ -102,13 +109,22 @@ def _microbatch_comm(job: Job, layout: Layout, cluster: ClusterShape, stage: Sta
     return tp + ep + cp * (1 - overlap) + p2p * (1 - overlap)
 
 
-def _grad_sync(params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: Stage) -> float:
+def _grad_sync(params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: Stage,
+               overlap: float) -> float:
+    """The part of the gradients' reduction (fp32 reduce-scatter, or an fp32 all-reduce without the distributed
+    optimizer) and of the parameters' bf16 all-gather that compute does not hide. The reduction overlaps the last
+    micro-batch's backward; the all-gather is exposed whole after the step, or overlaps the next forward with
+    overlap_param_gather -- which within a node costs more than it hides (PARAM_GATHER_OVERLAP_IN_NODE)."""
     held = stage_params(params, stage, layout)
-    per_param = 4 + 2 if layout.distributed_optimizer else 2 * 4  # RS fp32 + AG bf16, or an fp32 all-reduce
+    dist_opt = layout.distributed_optimizer
     dp_ranks, dp_span = job.dp(layout) * layout.cp, cluster.world // layout.pp
+    gather = 1.0
+    if layout.param_gather_overlap:
+        gather = PARAM_GATHER_OVERLAP_IN_NODE if dp_span <= cluster.gpus_per_node else 1 - overlap
+    exposed = (4 if dist_opt else 2 * 4) * (1 - overlap) + (2 * gather if dist_opt else 0)
     edp_ranks = job.edp(layout)
-    dense = _collective_seconds(per_param * held.dense, dp_ranks, cluster.group_busbw_gbps(dp_span))
-    expert = _collective_seconds(per_param * held.expert, edp_ranks, cluster.group_busbw_gbps(dp_span))
+    dense = _collective_seconds(exposed * held.dense, dp_ranks, cluster.group_busbw_gbps(dp_span))
+    expert = _collective_seconds(exposed * held.expert, edp_ranks, cluster.group_busbw_gbps(dp_span))
     return dense + expert
 
 
@@ -123,12 +139,27 @@ def _optimizer_step(
     return owned * 30 / (cluster.gpu.memory_bandwidth_gbps * GB)  # read+write master, m, v; grad; param
 
 
+EXPERT_ROWS_REF = 2048  # rows per expert of the calibration runs: MBS 4 x seq 2048 x top-2 / 8 experts
+
+
+def grouped_expert_efficiency(eff: Efficiency, job: Job, layout: Layout) -> float:
+    """Grouped expert GEMMs run faster the more rows each expert gets (fewer, fuller tiles): a saturating
+    curve rows / (rows + half_rows), equal to experts_grouped_gemm at EXPERT_ROWS_REF rows. Rows per expert
+    per micro-batch: every EP rank's routed tokens reach each expert of its group."""
+    moe = job.model.moe
+    if moe is None or not eff.experts_grouped_half_rows:
+        return eff.experts_grouped_gemm
+    rows = layout.mbs * job.seq_length / layout.cp * moe.topk * layout.ep / moe.num_experts
+    half = eff.experts_grouped_half_rows
+    return min(1.0, eff.experts_grouped_gemm * (rows / (rows + half)) / (EXPERT_ROWS_REF / (EXPERT_ROWS_REF + half)))
+
+
 def predict_step_time(
     params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, hardware: Hardware
 ) -> StepTime:
     eff = hardware.efficiency
     peak = hardware.peak_tflops(cluster.gpu) * 1e12
-    expert_eff = eff.experts_grouped_gemm if layout.grouped_experts else eff.experts_sequential
+    expert_eff = grouped_expert_efficiency(eff, job, layout) if layout.grouped_experts else eff.experts_sequential
     tokens_per_mb = layout.mbs * job.seq_length
     compute, comm, host = [], [], []
     for stage in stages(params, job, layout):
@@ -145,7 +176,7 @@ def predict_step_time(
     microbatches = job.microbatches(layout)
     bubble = (layout.pp - 1) / layout.vpp * slowest
     last = stages(params, job, layout)[-1]
-    sync = _grad_sync(params, job, layout, cluster, last) * (1 - eff.comm_overlap)
+    sync = _grad_sync(params, job, layout, cluster, last, eff.comm_overlap)
     optimizer = _optimizer_step(params, job, layout, cluster, last)
     seconds = microbatches * slowest + bubble + sync + optimizer + STEP_HOST_S
     model_flops = model_flops_per_step(params, job.model, job.seq_length, job.global_batch_size)
