@@ -45,10 +45,16 @@ def cfg(model: str, gpus: int, layout: str | None, *, iterations: int = 20, gbs:
             **extra}
 
 
+PROFILE = ['STEPDEPLOY_PROFILE=21:22']  # torch.profiler over the last two iterations (left out of the means)
 CONFIGS: dict[str, dict] = {
     # perf: the planner's own choice (no --layout), then fixed references
-    "dense-1": cfg(DENSE, 1, None), "moe-1": cfg(MOE, 1, None),
-    "dense-2": cfg(DENSE, 2, None), "moe-2": cfg(MOE, 2, None),
+    "dense-1": cfg(DENSE, 1, None, iterations=22, env=PROFILE), "moe-1": cfg(MOE, 1, None, iterations=22, env=PROFILE),
+    "dense-2": cfg(DENSE, 2, None, iterations=22, env=PROFILE), "moe-2": cfg(MOE, 2, None, iterations=22, env=PROFILE),
+    "moe-2-nopg": cfg(MOE, 2, "mbs=8,overlap-param-gather=0", iterations=22, env=PROFILE),
+    # NCCL on fewer SMs, so that the overlapped reduce-scatter / all-gather slow the GEMMs beside them less
+    "moe-2-ch8": cfg(MOE, 2, None, iterations=22, env=[*PROFILE, "NCCL_MAX_NCHANNELS=8"]),
+    "moe-2-nopg-ch8": cfg(MOE, 2, "mbs=8,overlap-param-gather=0", iterations=22,
+                          env=[*PROFILE, "NCCL_MAX_NCHANNELS=8"]),
     "dense-1-m4": cfg(DENSE, 1, "mbs=4"), "moe-1-m4": cfg(MOE, 1, "mbs=4"),
     "dense-2-tp2": cfg(DENSE, 2, "tp=2,mbs=4"),
     # memory: short runs (2 micro-batches per step), every recompute mode, TP/EP/DP, distributed optimizer on/off
@@ -72,6 +78,10 @@ CONFIGS: dict[str, dict] = {
     "resume-m2": cfg(MOE, 2, "ep=2,mbs=4", iterations=10, gbs=16, kind="resume", save_interval=4, kill_after=4,
                      reference="resume-m2-ref"),
     "resume-m2-ref": cfg(MOE, 2, "ep=2,mbs=4", iterations=10, gbs=16, save_interval=4),
+    # dense DP2 with the distributed optimizer's overlapped param gather: a save must gather every weight first
+    "resume-d2": cfg(DENSE, 2, "mbs=4,overlap-param-gather=1", iterations=10, gbs=16, kind="resume", save_interval=4,
+                     kill_after=4, reference="resume-d2-ref"),
+    "resume-d2-ref": cfg(DENSE, 2, "mbs=4,overlap-param-gather=1", iterations=10, gbs=16, save_interval=4),
     # monitor: the soak monitors' probe beside a run
     "monitor-d2": cfg(DENSE, 2, "mbs=4", iterations=120, kind="monitor", save_interval=60),
     "monitor-d1": cfg(DENSE, 1, "mbs=4", iterations=60, kind="monitor", save_interval=30),
@@ -85,9 +95,9 @@ CONFIGS: dict[str, dict] = {
                            env=['STEPDEPLOY_MCORE_OVERRIDES={"cross_entropy_loss_fusion": true}']),
 }
 SETS = {
-    "perf": ["dense-1", "moe-1", "dense-2", "moe-2", "dense-1-m4", "moe-1-m4", "dense-2-tp2"],
+    "perf": ["moe-1", "moe-2", "moe-2-nopg", "dense-1", "dense-2", "dense-1-m4", "moe-1-m4", "dense-2-tp2"],
     "memory": [n for n in CONFIGS if n.startswith("mem-")],
-    "resume": ["resume-d1-ref", "resume-d1", "resume-m2-ref", "resume-m2"],
+    "resume": ["resume-d1-ref", "resume-d1", "resume-d2-ref", "resume-d2", "resume-m2-ref", "resume-m2"],
     "explore": ["x-dense-1-m4", "x-dense-1-m8", "x-dense-1-m4-ce"],
 }
 
@@ -144,6 +154,7 @@ def _collect(run: Path, log: Path) -> dict:
     out["metrics"] = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     trace = run / "out" / "memtrace.json"
     out["memtrace"] = json.loads(trace.read_text()) if trace.exists() else {}
+    out["profiles"] = {p.stem: json.loads(p.read_text()) for p in sorted((run / "out").glob("profile-rank*.json"))}
     latest = latest_iteration(run / "out" / "checkpoints")
     out["latest_checkpoint"] = None if latest is None else str(latest)
     return out
@@ -190,6 +201,7 @@ def run_one(plan_dir: Path, entry: dict, work: Path) -> dict:
     result |= {"rc": proc.returncode, "wall_s": round(time.time() - started, 1), **_collect(run, log)}
     if samples:
         result["probe_samples"] = samples
+    shutil.rmtree(run / "out" / "checkpoints", ignore_errors=True)  # the MoE proxy's are ~47 GiB each
     return result
 
 
@@ -219,7 +231,9 @@ def device(plan_dir: Path, names: list[str], out: Path) -> None:
 
 # --- both: summarise ------------------------------------------------------------------------------------------
 def _steady(metrics: list[dict]) -> list[dict]:
-    return metrics[5:] if len(metrics) > 8 else metrics[1:] or metrics
+    """Iterations 6..N (2..N for short runs), leaving out the profiled ones."""
+    timed = [m for m in metrics if not m.get("profiled")]
+    return timed[5:] if len(timed) > 8 else timed[1:] or timed
 
 
 def summary(entry: dict, result: dict) -> dict:
@@ -235,7 +249,8 @@ def summary(entry: dict, result: dict) -> dict:
             "layout": entry.get("layout"), "rendered_layout": entry.get("rendered_layout"),
             "workload": entry.get("workload"), "predicted": entry.get("predicted"), "rc": result.get("rc"),
             "iterations": len(metrics), "step_s": mean("step_time_s"), "tokens_per_s": mean("tokens_per_s"),
-            "mfu": mean("mfu"), "peak_gib": peak, "memtrace": result.get("memtrace"),
+            "mfu": mean("mfu"), "forward_backward_s": mean("forward_backward_s"), "optimizer_s": mean("optimizer_s"),
+            "peak_gib": peak, "memtrace": result.get("memtrace"), "profiles": result.get("profiles") or None,
             "loss_first": metrics[0]["loss"] if metrics else None,
             "loss_last": metrics[-1]["loss"] if metrics else None, "gbs": entry.get("gbs")}
 
@@ -244,7 +259,8 @@ def _line(entry: dict, result: dict) -> str:
     if entry["kind"] == "script":
         return f"   rc {result.get('rc')} {result.get('stdout', '')[-1500:]}"
     s = summary(entry, result)
-    return (f"   rc {s['rc']} iters {s['iterations']} step {s['step_s']} tok/s {s['tokens_per_s']} mfu {s['mfu']} "
+    return (f"   rc {s['rc']} iters {s['iterations']} step {s['step_s']} (fb {s['forward_backward_s']} opt "
+            f"{s['optimizer_s']}) tok/s {s['tokens_per_s']} mfu {s['mfu']} "
             f"peak {s['peak_gib']} GiB (pred {(s['predicted'] or {}).get('predicted_torch_allocated_gib')}) "
             f"loss {s['loss_first']} -> {s['loss_last']}")
 
