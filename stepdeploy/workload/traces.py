@@ -19,6 +19,7 @@ CATEGORIES = (
     ("grouped GEMM", re.compile(r"grouped", re.I)),
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|wgmma", re.I)),
     ("optimizer (Adam)", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("compiled elementwise (triton)", re.compile(r"^triton_")),  # e.g. triton_red_fused__to_copy_...: not a copy
     ("copies and fills", re.compile(r"memcpy|memset|copy|fill", re.I)),
 )
 

@@ -31,14 +31,17 @@ def test_kernels_fall_into_categories_and_no_compute_time_is_what_is_left() -> N
         ("void pytorch_flash::flash_fwd_kernel<...>", 60_000.0, 24),
         ("void at::native::multi_tensor_apply_kernel<Adam...>", 20_000.0, 4),
         ("void at::native::vectorized_elementwise_kernel<gelu>", 80_000.0, 300),
+        ("triton_red_fused__to_copy_add_erf_exp_mul_sum_unsqueeze_0", 10_000.0, 24),
+        ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>", 4_000.0, 8),
     ]
     result = traces.summarize(kernels, wall_s=1.5, iterations=2)
     got = result["gpu_s_by_category"]
     assert got == {"GEMM": 0.15, "grouped GEMM": 0.1, "other": 0.04, "attention": 0.03,
-                   "communication (NCCL)": 0.02, "optimizer (Adam)": 0.01}
+                   "communication (NCCL)": 0.02, "optimizer (Adam)": 0.01, "compiled elementwise (triton)": 0.005,
+                   "copies and fills": 0.002}
     assert result["wall_s"] == 0.75
-    assert result["compute_s"] == pytest.approx(0.33)  # communication is not compute
-    assert result["no_compute_s"] == pytest.approx(0.42)
+    assert result["compute_s"] == pytest.approx(0.337)  # communication is not compute
+    assert result["no_compute_s"] == pytest.approx(0.413)
     assert result["top_kernels"][0]["name"].startswith("nvjet") and result["top_kernels"][0]["calls"] == 200
 
 
