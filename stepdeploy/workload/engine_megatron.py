@@ -205,12 +205,13 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     model_parallel_cuda_manual_seed(t["seed"])
     dp = ps.get_data_parallel_world_size()
     micro_batches = gbs // (mbs * dp)
-    config = TransformerConfig(**(transformer_config_kwargs(cfg) | config_overrides(rank)))
+    overrides = config_overrides(rank, "STEPDEPLOY_MCORE_OVERRIDES")
+    config = TransformerConfig(**(transformer_config_kwargs(cfg) | overrides))
     trace = traces.MemoryTrace(out_dir, rank)
     model = build_model(cfg, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()).cuda()
     model = Float16Module(config, model)
     p = cfg["parallel"]
-    ddp = ddp_config_kwargs(cfg)
+    ddp = ddp_config_kwargs(cfg) | config_overrides(rank, "STEPDEPLOY_DDP_OVERRIDES")
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp), module=model)
     trace.mark("model")
     config.finalize_model_grads_func = finalize_model_grads
@@ -297,12 +298,15 @@ def ddp_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
                                          and p["overlap_grad_reduce"])}
 
 
-def config_overrides(rank: int) -> dict[str, Any]:
-    """TransformerConfig fields from STEPDEPLOY_MCORE_OVERRIDES (a JSON object; `render --env` sets it), for
-    measuring a megatron-core option before making it the engine's default."""
-    overrides = json.loads(os.environ.get("STEPDEPLOY_MCORE_OVERRIDES") or "{}")
+def config_overrides(rank: int, variable: str) -> dict[str, Any]:
+    """megatron-core config fields from a JSON object in the environment (`render --env` sets it), for measuring
+    an option before making it the engine's default: STEPDEPLOY_MCORE_OVERRIDES for TransformerConfig,
+    STEPDEPLOY_DDP_OVERRIDES for DistributedDataParallelConfig. The planner does not know about them."""
+    overrides = json.loads(os.environ.get(variable) or "{}")
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{variable} must be a JSON object, got {overrides!r}")
     if overrides:
-        log(rank, f"TransformerConfig overrides from STEPDEPLOY_MCORE_OVERRIDES: {overrides}")
+        log(rank, f"overrides from {variable}: {overrides}")
     return overrides
 
 

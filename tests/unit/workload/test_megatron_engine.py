@@ -155,3 +155,16 @@ def test_batches_depend_on_the_iteration_alone_so_a_resumed_run_sees_the_same_da
         assert all(resumed[it] == fresh[it] for it in resumed)
         assert all(0 <= i < engine_megatron.POOL for ids in fresh.values() for i in ids)
         assert len({i for ids in fresh.values() for i in ids}) == engine_megatron.POOL  # the whole pool is used
+
+
+def test_config_overrides_come_from_a_json_object_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STEPDEPLOY_DDP_OVERRIDES", raising=False)
+    assert engine_megatron.config_overrides(0, "STEPDEPLOY_DDP_OVERRIDES") == {}
+    monkeypatch.setenv("STEPDEPLOY_DDP_OVERRIDES", '{"grad_reduce_in_fp32": false}')
+    kwargs = engine_megatron.ddp_config_kwargs(cfg_for("tiny-dense", Layout(), world=2))
+    merged = kwargs | engine_megatron.config_overrides(0, "STEPDEPLOY_DDP_OVERRIDES")
+    assert merged["grad_reduce_in_fp32"] is False and merged["use_distributed_optimizer"] is True
+    mcore.distributed.DistributedDataParallelConfig(**merged)
+    monkeypatch.setenv("STEPDEPLOY_DDP_OVERRIDES", "[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        engine_megatron.config_overrides(0, "STEPDEPLOY_DDP_OVERRIDES")
