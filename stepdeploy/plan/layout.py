@@ -48,6 +48,7 @@ class Layout:
 
     @property
     def param_gather_overlap(self) -> bool:
+        """Given, or (unsettled: no cluster known) megatron's advice, on with the distributed optimizer."""
         if self.overlap_param_gather is None:
             return self.distributed_optimizer and self.overlap_grad_reduce
         return self.overlap_param_gather

@@ -71,8 +71,7 @@ def settle_param_gather(layout: Layout, cluster: ClusterShape) -> Layout:
     if layout.overlap_param_gather is not None:
         return layout
     spans_nodes = cluster.world // layout.pp > cluster.gpus_per_node
-    return replace(layout, overlap_param_gather=layout.distributed_optimizer and layout.overlap_grad_reduce
-                   and spans_nodes)
+    return replace(layout, overlap_param_gather=layout.param_gather_overlap and spans_nodes)
 
 
 def judge(

@@ -57,9 +57,13 @@ def checkpoint_metadata(optimizer: Any) -> dict[str, Any]:
     return metadata
 
 
+def inner_optimizers(optimizer: Any) -> list[Any]:
+    """The megatron optimizers under a ChainedOptimizer (dense and expert parameters), or the one given."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
 def _is_distributed(optimizer: Any) -> bool:
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return any(type(o).__name__ == "DistributedOptimizer" for o in inner)
+    return any(type(o).__name__ == "DistributedOptimizer" for o in inner_optimizers(optimizer))
 
 
 def sharded_state(model: Any, optimizer: Any, is_loading: bool, metadata: dict[str, Any]) -> dict:
@@ -95,7 +99,7 @@ def materialize_optimizer_state(optimizer: Any) -> None:
     DistributedOptimizer.state_dict() -- called to build the state dict a checkpoint loads into -- asserts
     that it exists (with Apex/TE's FusedAdam it need not). Take one zero-gradient step on every inner
     optimizer that has no state yet; the load then overwrites every value, main parameters included."""
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    for inner in inner_optimizers(optimizer):
         torch_optimizer = inner.optimizer
         if len(torch_optimizer.state):
             continue
@@ -111,7 +115,7 @@ def restore_adam_steps(optimizer: Any, loaded: Any) -> None:
     dp_reshardable load restores `step` from the checkpoint's param_groups, then copies every 0-dim state
     tensor of the bucket state over it -- `step` included, which that format keeps local (not saved) -- so
     the step silently becomes the fresh optimizer's. Adam's bias correction depends on it."""
-    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    inners = inner_optimizers(optimizer)
     states = [loaded] if len(inners) == 1 else [state for _key, state in sorted(loaded.items())]
     for inner, state in zip(inners, states, strict=True):
         groups = state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []

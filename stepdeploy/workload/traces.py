@@ -82,8 +82,8 @@ def summarize(kernels: list[tuple[str, float, int]], wall_s: float, iterations: 
 class StepProfile:
     """torch.profiler over iterations FIRST..LAST (STEPDEPLOY_PROFILE), every rank: out/profile-rank<R>.json
     with GPU time per kernel category, the wall time, and the top kernels (CPU operators' time on a machine
-    without a GPU). The profiled iterations are
-    flagged in metrics.jsonl so that step-time means can leave them out."""
+    without a GPU). The profiled iterations are flagged in metrics.jsonl so that step-time means can leave
+    them out."""
 
     def __init__(self, out_dir: Path, rank: int, spec: str | None) -> None:
         self.window = parse_window(spec)
@@ -98,7 +98,7 @@ class StepProfile:
 
             self.on_gpu = torch.cuda.is_available()
             self.profiler = profile(activities=[ProfilerActivity.CUDA if self.on_gpu else ProfilerActivity.CPU])
-            self.profiler.__enter__()
+            self.profiler.start()
 
     def after(self, iteration: int, step_s: float) -> bool:
         """Account the iteration just timed; True when it was profiled."""
@@ -106,7 +106,7 @@ class StepProfile:
             return False
         self.wall += step_s
         if iteration == self.window[1]:
-            self.profiler.__exit__(None, None, None)
+            self.profiler.stop()
             kernels = []
             for event in self.profiler.key_averages():
                 micros = event.self_device_time_total if self.on_gpu else event.self_cpu_time_total

@@ -37,9 +37,6 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return stepdeploy_cli(*args, cwd=cwd, timeout=900)
 
 
-_processes_of = processes_of
-
-
 def test_failing_gate_stops_then_resume_completes_and_report_renders(cluster: SimConfig, tmp_path: Path) -> None:
     run = tmp_path / "gated"
     first = _cli("rollout", "run", "-i", str(cluster.inventory), "-m", "tiny-moe", "--stages", "warmup,scale,soak",
@@ -59,7 +56,7 @@ def test_failing_gate_stops_then_resume_completes_and_report_renders(cluster: Si
     first_rung = [a["status"] for a in attempts if a["rung"] == "proxy-1-gpu"]
     assert first_rung == ["failed", "passed"]
     assert any(e["kind"] == "config" and "max_step_time_s" in e["message"] for e in led.events("gated"))
-    assert _processes_of(cluster, "gated") == {"node1": "", "node2": ""}
+    assert processes_of(cluster, "gated") == {"node1": "", "node2": ""}
 
     report = _cli("report", str(run), "--html", str(run / "report.html"), cwd=tmp_path)
     assert report.returncode == 0, report.stderr
@@ -87,7 +84,7 @@ def test_controller_killed_mid_soak_is_resumed_without_orphans(cluster: SimConfi
     finally:
         os.kill(controller.pid, signal.SIGKILL)
         controller.wait()
-    assert _processes_of(cluster, "killed-soak")["node1"], "the job must outlive its controller"
+    assert processes_of(cluster, "killed-soak")["node1"], "the job must outlive its controller"
 
     resumed = _cli("rollout", "resume", str(run), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -96,7 +93,7 @@ def test_controller_killed_mid_soak_is_resumed_without_orphans(cluster: SimConfi
     soak = led.attempts("killed", "soak")
     assert len(soak) == 1 and soak[0]["status"] == "passed", soak  # one continuous attempt, re-attached
     assert any("re-attached" in e["message"] for e in led.events("killed"))
-    assert _processes_of(cluster, "killed-soak") == {"node1": "", "node2": ""}
+    assert processes_of(cluster, "killed-soak") == {"node1": "", "node2": ""}
 
 
 def _soak_iteration(cfg: SimConfig, run: Path) -> int:

@@ -31,9 +31,6 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return stepdeploy_cli(*args, cwd=cwd, timeout=600)
 
 
-_processes_of = processes_of
-
-
 def _resumed_from(run: Path) -> list[int]:
     logs = sorted((run / "attempts/soak-target/fetched").glob("**/logs/*.log"))
     text = "\n".join(p.read_text(errors="replace") for p in logs)
@@ -66,7 +63,7 @@ def test_injected_kill_is_detected_classified_stopped_and_restarted(cluster: Sim
     assert resumed and failed_at - resumed[-1] <= 3, (resumed, failed_at)  # lost <= one checkpoint interval
     assert soak[1]["detail"]["iterations"] > failed_at, soak[1]["detail"]  # it trained on after the restart
     assert [s.status for s in led.stages("killed")] == ["passed"]
-    assert _processes_of(cluster, "killed-soak") == {"node1": "", "node2": ""}
+    assert processes_of(cluster, "killed-soak") == {"node1": "", "node2": ""}
     prom = (run / "monitor" / "stepdeploy.prom").read_text()
     assert "stepdeploy_heartbeat_age_seconds" in prom and "stepdeploy_netdev_up" in prom
 
@@ -84,4 +81,4 @@ def test_soak_without_faults_raises_no_alarm(cluster: SimConfig, tmp_path: Path)
     assert [a["status"] for a in led.attempts("quiet", "soak")] == ["passed"]
     rounds = (run / "monitor" / "stepdeploy.prom").read_text()
     assert 'stepdeploy_train_iteration{Hostname="node1"}' in rounds
-    assert _processes_of(cluster, "quiet-soak") == {"node1": "", "node2": ""}
+    assert processes_of(cluster, "quiet-soak") == {"node1": "", "node2": ""}

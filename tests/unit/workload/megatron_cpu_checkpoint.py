@@ -98,14 +98,12 @@ def main(model_name: str, workdir: Path) -> None:
 
     def main_params(optimizer: Any) -> list[torch.Tensor]:
         """The distributed optimizer's fp32 master copies of the bf16 weights (what the next update starts from)."""
-        inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-        return [p.detach().clone() for inner in inners for group in inner.shard_fp32_from_float16_groups
-                for p in group]
+        return [p.detach().clone() for inner in megatron_ckpt.inner_optimizers(optimizer)
+                for group in inner.shard_fp32_from_float16_groups for p in group]
 
     def adam_states(optimizer: Any) -> list[dict[str, torch.Tensor]]:
-        inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
         return [{k: v.detach().clone().float() for k, v in state.items()}
-                for inner in inners for state in inner.optimizer.state.values()]
+                for inner in megatron_ckpt.inner_optimizers(optimizer) for state in inner.optimizer.state.values()]
 
     model, optimizer = build(1)
     pool = em.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, 0)

@@ -43,7 +43,7 @@ def test_plan_maps_to_megatron_config_and_parallel_sizes() -> None:
 
 
 @pytest.mark.parametrize(("layout", "param_gather"), [
-    (Layout(), True),  # the planner's default, and what its step time assumes
+    (Layout(), True),  # unsettled (no cluster): megatron's advice; the planner settles it per cluster
     (Layout(overlap_param_gather=False), False),
     (Layout(distributed_optimizer=False), False),  # nothing to gather without the distributed optimizer
     (Layout(overlap_grad_reduce=False), False),
