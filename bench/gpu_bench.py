@@ -51,6 +51,8 @@ CONFIGS: dict[str, dict] = {
     "dense-1": cfg(DENSE, 1, None, iterations=22, env=PROFILE), "moe-1": cfg(MOE, 1, None, iterations=22, env=PROFILE),
     "dense-2": cfg(DENSE, 2, None, iterations=22, env=PROFILE), "moe-2": cfg(MOE, 2, None, iterations=22, env=PROFILE),
     "moe-2-nopg": cfg(MOE, 2, "mbs=8,overlap-param-gather=0", iterations=22, env=PROFILE),
+    "moe-2-pg": cfg(MOE, 2, "mbs=8,overlap-param-gather=1", iterations=22, env=PROFILE),
+    "dense-2-pg": cfg(DENSE, 2, "mbs=8,overlap-param-gather=1", iterations=22, env=PROFILE),
     # NCCL on fewer SMs, so that the overlapped reduce-scatter / all-gather slow the GEMMs beside them less
     "moe-2-ch8": cfg(MOE, 2, None, iterations=22, env=[*PROFILE, "NCCL_MAX_NCHANNELS=8"]),
     "moe-2-nopg-ch8": cfg(MOE, 2, "mbs=8,overlap-param-gather=0", iterations=22,
@@ -97,7 +99,16 @@ CONFIGS: dict[str, dict] = {
     # proxy's DP2 sends; gradients then accumulate over micro-batches in bf16, and the planner, which assumes an
     # fp32 gradient buffer, over-predicts memory by that buffer's other half)
     "x-moe-2-rsbf16": cfg(MOE, 2, None, iterations=22, env=[*PROFILE, "STEPDEPLOY_DDP_OVERRIDES=" + json.dumps(
-        {"grad_reduce_in_fp32": False, "reduce_scatter_with_fp32_accumulation": True})]),
+        {"grad_reduce_in_fp32": False, "reduce_scatter_with_fp32_accumulation": True,
+         "average_in_collective": False})]),  # megatron's fp32-accumulating reduce-scatter sums only
+    # megatron's default pre-scales the whole (unsharded) fp32 gradient buffer by 1/DP before the reduce-scatter,
+    # a pass over 8 B/param on the compute stream; average_in_collective lets NCCL average instead
+    "x-moe-2-avg": cfg(MOE, 2, None, iterations=22, env=[*PROFILE, "STEPDEPLOY_DDP_OVERRIDES=" + json.dumps(
+        {"average_in_collective": True})]),
+    "x-moe-2-avg-pg": cfg(MOE, 2, "mbs=8,overlap-param-gather=1", iterations=22, env=[
+        *PROFILE, "STEPDEPLOY_DDP_OVERRIDES=" + json.dumps({"average_in_collective": True})]),
+    "x-dense-2-avg": cfg(DENSE, 2, None, iterations=22, env=[*PROFILE, "STEPDEPLOY_DDP_OVERRIDES=" + json.dumps(
+        {"average_in_collective": True})]),
 }
 SETS = {
     "perf": ["moe-1", "moe-2", "moe-2-nopg", "dense-1", "dense-2", "dense-1-m4", "moe-1-m4", "dense-2-tp2"],

@@ -62,16 +62,17 @@ class PlanResult:
         self.examples.setdefault(key, verdict)
 
 
-def settle_param_gather(layout: Layout, cluster: ClusterShape) -> Layout:
-    """overlap_param_gather left open (None) becomes on only where the data-parallel group spans nodes. Within a
-    node the synchronous all-gather after the optimizer step is the cheaper of the two: on 2 H200s (NVLink), MoE
-    proxy DP2, overlapping it cost 18 ms of forward (NCCL beside the GEMMs, a hook per module) to save 15 ms of
-    optimizer step, 0.624 s against 0.621 s a step in two paired runs (docs/benchmarks.md, 2026-11-29). Across
-    nodes the gather takes several times longer and megatron's advice (overlap it) stands, unmeasured here."""
+def settle_param_gather(layout: Layout) -> Layout:
+    """overlap_param_gather left open (None) becomes on wherever megatron allows it (distributed optimizer and
+    overlapped gradient reduction). The engine dispatches the whole gather right after the optimizer step
+    (workload/engine_megatron.py ParamGather), and so overlapped it was the faster within a node too: on 2 H200s,
+    DP2 MBS 8, 0.6077 s against 0.6163 s a step (MoE proxy) and 0.3272 s against 0.3308 s (dense), paired runs
+    (docs/benchmarks.md, 2026-11-30). megatron's own dispatch, a bucket at a time from the forward's pre-hooks,
+    had been the slower within a node (0.624 s against 0.621 s). The gather's cost within and across nodes is
+    steptime._grad_sync's."""
     if layout.overlap_param_gather is not None:
         return layout
-    spans_nodes = cluster.world // layout.pp > cluster.gpus_per_node
-    return replace(layout, overlap_param_gather=layout.param_gather_overlap and spans_nodes)
+    return replace(layout, overlap_param_gather=layout.param_gather_overlap)
 
 
 def judge(
@@ -82,7 +83,7 @@ def judge(
     hardware: Hardware,
     margin: float = 0.10,
 ) -> Verdict:
-    layout = settle_param_gather(layout, cluster)
+    layout = settle_param_gather(layout)
     broken = tuple(violations(job, layout))
     if broken:
         return Verdict(layout, broken)

@@ -35,11 +35,11 @@ HOST_S_PER_LAYER = {"dense": 3.28e-3, "moe_sequential": 10.82e-3, "moe_grouped":
 # MBS 4 grouped 0.848 s; fitted: 4.3 ms per MoE layer and micro-batch (with grouped_expert_efficiency's rows curve,
 # which credits EP2's 4,096 rows per expert with faster GEMMs; 3.2 ms with a flat efficiency).
 EP_SYNC_STALL_S = 4.3e-3
-# overlap_param_gather within a node: the all-gather runs beside the next forward's GEMMs (NCCL on SMs and HBM)
-# and every module gets a pre-hook. Measured, 2 H200s, MoE proxy DP2 MBS 8 (two paired runs each): the forward-
-# backward took 18.5 ms more and the optimizer step 15.1 ms less than with the gather after the step: overlapping
-# cost 1.2 x what gathering after the step cost.
-PARAM_GATHER_OVERLAP_IN_NODE = 1.2
+# overlap_param_gather within a node: the engine dispatches the whole all-gather after the optimizer step; it runs
+# beside the step's end and the next forward's GEMMs (NCCL on SMs and HBM). Measured, 2 H200s, DP2 MBS 8, paired
+# runs (2026-11-30): MoE proxy, the optimizer step took 14.9 ms less and the forward-backward 6.1 ms more than
+# with the gather after the step: 0.4 of the gather stays exposed (dense proxy: about none of its 3.6 ms).
+PARAM_GATHER_OVERLAP_IN_NODE = 0.4
 # Measured: with 2 ranks on one host a host-bound micro-batch takes 1.2x as long (DP2 MBS 1: dense
 # 0.789 s / 16 = 49 ms vs 40 ms on 1 GPU; MoE 2.505 s / 16 = 157 ms vs 131 ms).
 HOST_MULTI_GPU = 1.2
@@ -114,7 +114,7 @@ def _grad_sync(params: ParamCount, job: Job, layout: Layout, cluster: ClusterSha
     """The part of the gradients' reduction (fp32 reduce-scatter, or an fp32 all-reduce without the distributed
     optimizer) and of the parameters' bf16 all-gather that compute does not hide. The reduction overlaps the last
     micro-batch's backward; the all-gather is exposed whole after the step, or overlaps the next forward with
-    overlap_param_gather -- which within a node costs more than it hides (PARAM_GATHER_OVERLAP_IN_NODE)."""
+    overlap_param_gather (within a node PARAM_GATHER_OVERLAP_IN_NODE of it stays exposed, measured)."""
     held = stage_params(params, stage, layout)
     dist_opt = layout.distributed_optimizer
     dp_ranks, dp_span = job.dp(layout) * layout.cp, cluster.world // layout.pp

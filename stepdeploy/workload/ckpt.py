@@ -16,18 +16,21 @@ from typing import Any
 LATEST = "latest"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    """Readers see the old text or the new, never a part. durable=False skips the fsync: for a file rewritten
+    every step (the heartbeat), where what matters is that the reader sees a whole file, not a power loss."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as handle:
         handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
     os.replace(tmp, path)
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, sort_keys=True) + "\n")
+def atomic_write_json(path: Path, data: Any, durable: bool = True) -> None:
+    atomic_write_text(path, json.dumps(data, sort_keys=True) + "\n", durable)
 
 
 def iteration_name(iteration: int) -> str:

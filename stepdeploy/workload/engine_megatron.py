@@ -250,10 +250,14 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank)
     torch.cuda.reset_peak_memory_stats()
     profile = traces.StepProfile(out_dir, rank, os.environ.get("STEPDEPLOY_PROFILE"))
+    backward_done, step_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gather = ParamGather(model)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
     for iteration in range(start + 1, t["iterations"] + 1):
+        # a step is timed from the end of the one before (so the report and the loop's own overhead count), to
+        # the end of its optimizer step on the compute stream (an overlapped param gather may still be running)
         profile.before(iteration)
-        torch.cuda.synchronize()
-        began = time.perf_counter()
         lr = lr_at(iteration, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -266,33 +270,67 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
                                   decoder_seq_length=seq, forward_only=False)
         if iteration <= start + 2:
             trace.mark(f"forward_backward_{iteration - start}")
-        torch.cuda.synchronize()
-        backward_done = time.perf_counter()
+        # the phase split is read from CUDA events after the step: a synchronize here would idle the GPU while
+        # the host starts the optimizer step (a fixed cost per step, which DP does not shrink)
+        backward_done.record()
         _ok, grad_norm, _zeros = optimizer.step()
+        gather.dispatch()
         if iteration <= start + 2:
             trace.mark(f"optimizer_step_{iteration - start}")
-        torch.cuda.synchronize()
-        step = time.perf_counter() - began
-        fb = backward_done - began
-        phases: dict[str, Any] = {"forward_backward_s": round(fb, 4), "optimizer_s": round(step - fb, 4)}
-        if profile.after(iteration, step):
+        step_done.record()
+        step_done.synchronize()
+        ended = time.perf_counter()
+        step = ended - began
+        optimizer_s = backward_done.elapsed_time(step_done) / 1e3
+        phases: dict[str, Any] = {"forward_backward_s": round(step - optimizer_s, 4),
+                                  "optimizer_s": round(optimizer_s, 4)}
+        profiled = profile.after(iteration, step)
+        if profiled:
             phases["profiled"] = True  # the profiler's overhead is in this step: means leave it out
         loss = (sum(x["lm loss"] for x in losses) / len(losses)).float() if losses else torch.zeros((), device="cuda")
         report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage(), phases)
+        began = time.perf_counter() if profiled else ended  # not the profiler's write-out either
         if t["save_interval"] and iteration % t["save_interval"] == 0:
             megatron_ckpt.save(model, optimizer, ckpt_dir, iteration, rank)
+            began = time.perf_counter()  # a save is not the next step's time
     trace.mark("end")
     ps.destroy_model_parallel()
     return 0
 
 
+class ParamGather:
+    """The distributed optimizer's overlapped parameter all-gather, dispatched whole right after each optimizer
+    step in forward order, instead of megatron's default: one bucket at a time from the next forward's module
+    pre-hooks. Those launch NCCL from the host in the middle of the forward -- in the MoE layers just after the
+    router's device-to-host sync, when the GPU has nothing queued -- so on 2 H200s overlapping cost more forward
+    time than the gather it hid (docs/benchmarks.md). Dispatched here, the gather runs under the step's end and
+    the next forward, and the pre-hooks only wait for their bucket (megatron's own skip for a gather already
+    dispatched by the optimizer step). Off unless the DDP config overlaps the param gather."""
+
+    def __init__(self, model: Any) -> None:
+        self.groups: list[Any] = []
+        if not getattr(model.ddp_config, "overlap_param_gather", False):
+            return
+        model.overlap_param_gather_with_optimizer_step = True  # pre-hooks wait, never dispatch
+        order = {id(param): i for i, param in enumerate(model.parameters())}  # registration = forward order
+        groups = [*model.bucket_groups, *model.expert_parallel_bucket_groups]
+        self.groups = sorted(groups, key=lambda g: min(order[id(q)] for b in g.buckets for q in b.params_list))
+
+    def dispatch(self) -> None:
+        for group in self.groups:
+            group.start_param_sync()
+
+
 def ddp_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     """megatron-core DistributedDataParallelConfig arguments from workload.json (pure). Gradients are reduced in
-    fp32 (what megatron's training loop does for bf16). With the distributed optimizer and overlap_param_gather,
-    the parameters' all-gather after the optimizer step runs bucket by bucket under the next forward; otherwise
-    the step waits for it (the planner settles which: plan.search.settle_param_gather)."""
+    fp32 (what megatron's training loop does for bf16), and averaged by NCCL inside the collective: megatron's
+    default instead multiplies the whole unsharded fp32 gradient buffer by 1/DP before it (one more pass over
+    8 B/param on the compute stream; measured 7.5 ms a step for the MoE proxy on 2 H200s, docs/benchmarks.md).
+    With the distributed optimizer and overlap_param_gather, the parameters' all-gather after the optimizer step
+    runs bucket by bucket under the next forward; otherwise the step waits for it (the planner settles which:
+    plan.search.settle_param_gather)."""
     p = cfg["parallel"]
-    return {"grad_reduce_in_fp32": True, "overlap_grad_reduce": p["overlap_grad_reduce"],
+    return {"grad_reduce_in_fp32": True, "average_in_collective": True, "overlap_grad_reduce": p["overlap_grad_reduce"],
             "use_distributed_optimizer": p["distributed_optimizer"],
             "overlap_param_gather": bool(p.get("overlap_param_gather") and p["distributed_optimizer"]
                                          and p["overlap_grad_reduce"])}
@@ -318,22 +356,26 @@ def lr_at(iteration: int, t: dict[str, Any]) -> float:
 def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Tensor, grad_norm: float | None,
            lr: float, step: float, world: int, last_stage: bool, phases: dict[str, Any] | None = None) -> None:
     t = cfg["training"]
-    stats = torch.tensor([loss.item() if last_stage else 0.0, 1.0 if last_stage else 0.0], device="cuda")
+    # one collective and one device-to-host copy: [loss sum, last-stage ranks, each rank's step s, each rank's peak]
+    mine = torch.zeros(2 + 2 * world)
+    rank = dist.get_rank()
+    mine[1], mine[2 + rank] = float(last_stage), step
+    mine[2 + world + rank] = torch.cuda.max_memory_allocated() / 2**30
+    stats = mine.cuda()
+    if last_stage:
+        stats[0] += loss.float()
     dist.all_reduce(stats)
-    times = torch.zeros(world, device="cuda")
-    times[dist.get_rank()] = step
-    dist.all_reduce(times)
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    got = stats.tolist()
+    times, peak = got[2:2 + world], max(got[2 + world:])
     files.beat(iteration)
     if files.rank != 0:
         return
-    slowest = float(times.max())
+    slowest = max(times)
     tokens_per_s = t["global_batch_size"] * t["seq_length"] / slowest
     mfu = None
     if cfg.get("peak_tflops"):
         mfu = round(cfg["flops_per_token"] * tokens_per_s / (cfg["peak_tflops"] * 1e12 * world), 4)
-    values = {"iteration": iteration, "loss": round(float(stats[0] / stats[1]), 5),
+    values = {"iteration": iteration, "loss": round(got[0] / got[1], 5),
               "grad_norm": None if grad_norm is None else round(float(grad_norm), 5), "lr": lr,
               "step_time_s": round(slowest, 4), "tokens_per_s": round(tokens_per_s, 1),
               "rank_step_time_s": [round(float(x), 4) for x in times],

@@ -36,7 +36,9 @@ class RankFiles:
                                         "node": os.environ.get("STEPDEPLOY_NODE_NAME"), "started": time.time()})
 
     def beat(self, iteration: int) -> None:
-        atomic_write_json(self.heartbeat, {"iteration": iteration, "time": time.time(), "pid": os.getpid()})
+        # every step, on every rank: no fsync (the GPU idles while the host writes it)
+        atomic_write_json(self.heartbeat, {"iteration": iteration, "time": time.time(), "pid": os.getpid()},
+                          durable=False)
 
     def exited(self, code: int, reason: str) -> None:
         status = json.loads(self.status.read_text()) if self.status.exists() else {"rank": self.rank}

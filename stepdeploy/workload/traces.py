@@ -79,6 +79,33 @@ def summarize(kernels: list[tuple[str, float, int]], wall_s: float, iterations: 
                             for n, us, c in top]}
 
 
+def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 12, min_us: float = 100.0) -> dict[str, Any]:
+    """Where the GPU ran no compute kernel: (start us, end us, name) of every kernel in the window -> the gaps
+    between the union of the compute kernels' intervals (NCCL kernels do not count: a collective nobody computes
+    beside is exposed communication), the total, and the largest with the kernels on either side."""
+    compute = sorted((k for k in kernels if not CATEGORIES[0][1].search(k[2])), key=lambda k: k[0])
+    gaps: list[tuple[float, float, str, str]] = []  # (start, length, kernel before, kernel after)
+    end, last = None, ""
+    for start, stop, name in compute:
+        if end is not None and start - end >= min_us:
+            gaps.append((end, start - end, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    origin = compute[0][0] if compute else 0.0
+    largest = sorted(gaps, key=lambda g: -g[1])[:top]
+    return {"total_ms": round(sum(g[1] for g in gaps) / 1e3, 3), "count": len(gaps), "min_us": min_us,
+            "largest": [{"at_ms": round((g[0] - origin) / 1e3, 3), "ms": round(g[1] / 1e3, 3),
+                         "after": g[2][:100], "before": g[3][:100]} for g in largest]}
+
+
+def kernel_intervals(profiler: Any) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of the GPU kernels a stopped torch.profiler recorded."""
+    from torch.autograd import DeviceType
+
+    return [(e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
+            if e.device_type == DeviceType.CUDA]
+
+
 class StepProfile:
     """torch.profiler over iterations FIRST..LAST (STEPDEPLOY_PROFILE), every rank: out/profile-rank<R>.json
     with GPU time per kernel category, the wall time, and the top kernels (CPU operators' time on a machine
@@ -113,6 +140,8 @@ class StepProfile:
                 if micros > 0:
                     kernels.append((event.key, float(micros), int(event.count)))
             result = summarize(kernels, self.wall, self.window[1] - self.window[0] + 1)
+            if self.on_gpu:
+                result["idle_gaps"] = idle_gaps(kernel_intervals(self.profiler))
             ckpt.atomic_write_json(self.path, result | {"window": list(self.window)})
             self.profiler = None
         return True

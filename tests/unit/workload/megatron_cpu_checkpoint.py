@@ -5,7 +5,8 @@ megatron-core hard-codes CUDA in places (device='cuda' tensors, torch.cuda.*Tens
 process first points those at the CPU -- which is why it must not share a process with other tests. Trains
 two steps, saves, takes two more; builds a second model and optimizer from another seed, resumes, takes the same
 two steps, and prints one JSON line comparing weights, fp32 master weights, Adam state and step count with what
-was saved, and the resumed run's two steps with the uninterrupted run's.
+was saved, and the resumed run's two steps with the uninterrupted run's; then trains the same four steps with the
+engine's ParamGather (the param all-gather dispatched after each step) and compares them with megatron's own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import shutil
 import socket
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +92,8 @@ def main(model_name: str, workdir: Path) -> None:
         torch.manual_seed(seed)
         config = TransformerConfig(**kwargs)
         model = Float16Module(config, em.build_model(cfg, config))
-        ddp = DistributedDataParallelConfig(**em.ddp_config_kwargs(cfg))  # the engine's: overlapped param gather
+        # the engine's DDP config (overlapped param gather), with buckets small enough that the model has several
+        ddp = DistributedDataParallelConfig(**(em.ddp_config_kwargs(cfg) | {"bucket_size": 20_000}))
         model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
                                                            use_distributed_optimizer=True), [model])
@@ -109,7 +112,7 @@ def main(model_name: str, workdir: Path) -> None:
     pool = em.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, 0)
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)
 
-    def train_step(model: Any, optimizer: Any, step: int) -> float:
+    def train_step(model: Any, optimizer: Any, step: int, gather: Any = None) -> float:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         tokens = pool[step]
@@ -117,10 +120,11 @@ def main(model_name: str, workdir: Path) -> None:
         loss.backward()
         model.finish_grad_sync()
         optimizer.step()
+        if gather is not None:
+            gather.dispatch()
         return float(loss)
 
-    for step in range(2):
-        train_step(model, optimizer, step)
+    first_losses = [train_step(model, optimizer, step) for step in range(2)]
     ckpt_dir = workdir / "checkpoints"
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     megatron_ckpt.save(model, optimizer, ckpt_dir, 2, 0)
@@ -138,7 +142,30 @@ def main(model_name: str, workdir: Path) -> None:
     main = main_params(optimizer2)
     params_differing = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
     resumed_losses = [train_step(model2, optimizer2, 2), train_step(model2, optimizer2, 3)]
+
+    # the engine's ParamGather (every bucket's all-gather dispatched after the step, in forward order) against
+    # megatron's own (dispatched bucket by bucket from the forward's pre-hooks), from the same seed
+    model3, optimizer3 = build(1)
+    gather = em.ParamGather(model3)
+    dispatches: list[int] = []
+    for group in gather.groups:
+        group.start_param_sync = counted(group.start_param_sync, dispatches)
+    embedding = model3.module.module.embedding.word_embeddings.weight
+    eager_losses, dispatched_per_step = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            eager_losses.append(train_step(model3, optimizer3, step, gather))
+            dispatched_per_step.append(len(dispatches))
+            dispatches.clear()
     print(json.dumps({
+        "eager_gather_groups": len(gather.groups),
+        "eager_first_group_has_embedding": any(q is embedding for b in gather.groups[0].buckets for q in b.params_list),
+        "eager_dispatched_per_step": dispatched_per_step,
+        # megatron warns from a pre-hook that finds the next bucket dispatched: its order check, not ours
+        "eager_redispatch_warnings": sum("already been dispatched" in str(w.message) for w in caught),
+        "eager_losses": eager_losses, "lazy_losses": first_losses + continued_losses,
+        "eager_params_differing": sum(not torch.equal(p, continued_params[n]) for n, p in model3.named_parameters()),
         "resumed": resumed, "params": len(saved_params), "params_differing_before": differs_before,
         "params_differing": params_differing,
         "adam_states": [len(saved_states), len(states)],
@@ -154,6 +181,13 @@ def main(model_name: str, workdir: Path) -> None:
         "steps_saved": sorted({float(s["step"]) for s in saved_states}),
         "steps_resumed": sorted({float(s["step"]) for s in states}),
         "latest": (ckpt_dir / "latest").read_text().strip()}))
+
+
+def counted(fn: Any, calls: list[int]) -> Any:
+    def wrap(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return wrap
 
 
 if __name__ == "__main__":

@@ -36,3 +36,14 @@ def test_marker_naming_a_missing_checkpoint_means_fresh_start(tmp_path: Path) ->
 def test_atomic_write_leaves_no_temporary_file(tmp_path: Path) -> None:
     ckpt.atomic_write_json(tmp_path / "a" / "status.json", {"state": "running"})
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["status.json"]
+
+
+def test_only_durable_writes_are_fsynced_and_both_replace_whole(tmp_path: Path, monkeypatch) -> None:
+    synced: list[int] = []
+    monkeypatch.setattr(ckpt.os, "fsync", lambda fd: synced.append(fd))
+    target = tmp_path / "heartbeat.json"
+    ckpt.atomic_write_json(target, {"iteration": 1}, durable=False)
+    assert synced == [] and target.read_text() == '{"iteration": 1}\n'
+    ckpt.atomic_write_json(target, {"iteration": 2})
+    assert len(synced) == 1 and target.read_text() == '{"iteration": 2}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["heartbeat.json"]  # no temporary file left behind

@@ -37,3 +37,12 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
     # parameter got a step tensor of its own, the second step differed: one shared tensor counted every parameter
     assert result["losses_resumed"] == result["losses_continued"], result
     assert result["params_differing_after_2_steps"] == 0, result
+    # the engine's param gather, dispatched whole after each step: the same training as megatron's pre-hooks
+    groups = result["eager_gather_groups"]
+    assert groups > 1 and result["eager_first_group_has_embedding"], result  # forward order: embedding first
+    # the first forward dispatches each bucket from its pre-hook (nothing was dispatched before it), then only
+    # the engine dispatches: megatron's pre-hooks just wait
+    assert result["eager_dispatched_per_step"] == [2 * groups, groups, groups, groups], result
+    assert result["eager_redispatch_warnings"] == 0, result  # the pre-hooks know the gather is dispatched
+    assert result["eager_losses"] == result["lazy_losses"], result
+    assert result["eager_params_differing"] == 0, result

@@ -54,6 +54,7 @@ def test_ddp_config_follows_the_layout_param_gather_overlap_included(layout: Lay
     assert kwargs["overlap_grad_reduce"] is layout.overlap_grad_reduce
     assert kwargs["use_distributed_optimizer"] is layout.distributed_optimizer
     assert kwargs["grad_reduce_in_fp32"] is True
+    assert kwargs["average_in_collective"] is True  # NCCL averages: no 1/DP pass over the gradient buffer
     mcore.distributed.DistributedDataParallelConfig(**kwargs)  # megatron-core accepts every key
 
 

@@ -63,3 +63,19 @@ def test_no_profile_unless_asked(tmp_path: Path) -> None:
     profile.before(1)
     assert profile.after(1, 0.1) is False
     assert not list(tmp_path.iterdir())
+
+
+def test_idle_gaps_are_the_holes_between_compute_kernels_and_nccl_does_not_fill_them() -> None:
+    kernels = [
+        (0.0, 1_000.0, "nvjet_gemm_a"),
+        (200.0, 1_200.0, "elementwise_b"),  # overlaps a: the interval runs to 1,200
+        (1_250.0, 2_000.0, "nvjet_gemm_c"),  # 50 us hole: under min_us
+        (2_000.0, 9_000.0, "ncclDevKernel_AllGather_RING_LL"),  # exposed all-gather: no compute beside it
+        (9_000.0, 9_500.0, "multi_tensor_apply_kernel<Adam>"),
+        (12_500.0, 13_000.0, "nvjet_gemm_d"),
+    ]
+    result = traces.idle_gaps(kernels, top=1)
+    assert result["count"] == 2 and result["total_ms"] == 10.0
+    assert result["largest"] == [{"at_ms": 2.0, "ms": 7.0, "after": "nvjet_gemm_c",
+                                  "before": "multi_tensor_apply_kernel<Adam>"}]
+    assert traces.idle_gaps([]) == {"total_ms": 0.0, "count": 0, "min_us": 100.0, "largest": []}
