@@ -327,8 +327,8 @@ def ddp_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     default instead multiplies the whole unsharded fp32 gradient buffer by 1/DP before it (one more pass over
     8 B/param on the compute stream; measured 7.5 ms a step for the MoE proxy on 2 H200s, docs/benchmarks.md).
     With the distributed optimizer and overlap_param_gather, the parameters' all-gather after the optimizer step
-    runs bucket by bucket under the next forward; otherwise the step waits for it (the planner settles which:
-    plan.search.settle_param_gather)."""
+    runs under the next forward (dispatched whole by ParamGather); otherwise the step waits for it (the planner
+    settles which: plan.search.settle_param_gather)."""
     p = cfg["parallel"]
     return {"grad_reduce_in_fp32": True, "average_in_collective": True, "overlap_grad_reduce": p["overlap_grad_reduce"],
             "use_distributed_optimizer": p["distributed_optimizer"],
