@@ -113,16 +113,7 @@ def main(model_name: str, workdir: Path) -> None:
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)
 
     def train_step(model: Any, optimizer: Any, step: int, gather: Any = None) -> float:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        tokens = pool[step]
-        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
-        loss.backward()
-        model.finish_grad_sync()
-        optimizer.step()
-        if gather is not None:
-            gather.dispatch()
-        return float(loss)
+        return one_step(model, optimizer, pool[step], positions, gather.dispatch if gather is not None else None)
 
     first_losses = [train_step(model, optimizer, step) for step in range(2)]
     ckpt_dir = workdir / "checkpoints"
@@ -181,6 +172,20 @@ def main(model_name: str, workdir: Path) -> None:
         "steps_saved": sorted({float(s["step"]) for s in saved_states}),
         "steps_resumed": sorted({float(s["step"]) for s in states}),
         "latest": (ckpt_dir / "latest").read_text().strip()}))
+
+
+def one_step(model: Any, optimizer: Any, tokens: torch.Tensor, positions: torch.Tensor,
+             after_step: Any = None) -> float:
+    """One training step of a megatron DDP model and its distributed optimizer, as the engine's loop takes it."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
+    model.finish_grad_sync()
+    optimizer.step()
+    if after_step is not None:
+        after_step()
+    return float(loss)
 
 
 def counted(fn: Any, calls: list[int]) -> Any:
