@@ -48,7 +48,8 @@ class Layout:
 
     @property
     def param_gather_overlap(self) -> bool:
-        """Given, or (unsettled: no cluster known) megatron's advice, on with the distributed optimizer."""
+        """Given, or on wherever megatron allows it (distributed optimizer and overlapped gradient reduction):
+        what plan.search.settle_param_gather writes into a layout left open."""
         if self.overlap_param_gather is None:
             return self.distributed_optimizer and self.overlap_grad_reduce
         return self.overlap_param_gather

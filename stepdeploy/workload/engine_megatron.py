@@ -248,6 +248,9 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     forward_backward = get_forward_backward_func()
     ckpt_dir = out_dir / "checkpoints"
     start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank)
+    for group in optimizer.param_groups:
+        # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
+        group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
     torch.cuda.reset_peak_memory_stats()
     profile = traces.StepProfile(out_dir, rank, os.environ.get("STEPDEPLOY_PROFILE"))
     backward_done, step_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -261,8 +264,6 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         lr = lr_at(iteration, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
-            # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
-            group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(iteration), model=[model],
@@ -309,7 +310,7 @@ class ParamGather:
 
     def __init__(self, model: Any) -> None:
         self.groups: list[Any] = []
-        if not getattr(model.ddp_config, "overlap_param_gather", False):
+        if not model.ddp_config.overlap_param_gather:
             return
         model.overlap_param_gather_with_optimizer_step = True  # pre-hooks wait, never dispatch
         order = {id(param): i for i, param in enumerate(model.parameters())}  # registration = forward order

@@ -12,9 +12,10 @@ from typing import Any
 import ckpt
 import torch
 
+COMMUNICATION, NCCL_KERNEL = "communication (NCCL)", re.compile(r"nccl", re.I)
 # kernel name -> category of GPU time; the first pattern that matches wins
 CATEGORIES = (
-    ("communication (NCCL)", re.compile(r"nccl", re.I)),
+    (COMMUNICATION, NCCL_KERNEL),
     ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
     ("grouped GEMM", re.compile(r"grouped", re.I)),
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|wgmma", re.I)),
@@ -69,7 +70,7 @@ def summarize(kernels: list[tuple[str, float, int]], wall_s: float, iterations: 
     """Where an iteration's time goes: GPU time per category, and the part of the wall time in which no
     compute kernel ran (communication that was not hidden, the host, synchronisation)."""
     per_iteration = {k: v / iterations / 1e6 for k, v in categorize(kernels).items()}
-    compute = sum(v for k, v in per_iteration.items() if not k.startswith("communication"))
+    compute = sum(v for k, v in per_iteration.items() if k != COMMUNICATION)
     wall = wall_s / iterations
     top = sorted(kernels, key=lambda k: -k[1])[:25]
     return {"iterations": iterations, "wall_s": round(wall, 4),
@@ -83,7 +84,7 @@ def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 12, min_us: fl
     """Where the GPU ran no compute kernel: (start us, end us, name) of every kernel in the window -> the gaps
     between the union of the compute kernels' intervals (NCCL kernels do not count: a collective nobody computes
     beside is exposed communication), the total, and the largest with the kernels on either side."""
-    compute = sorted((k for k in kernels if not CATEGORIES[0][1].search(k[2])), key=lambda k: k[0])
+    compute = sorted((k for k in kernels if not NCCL_KERNEL.search(k[2])), key=lambda k: k[0])
     gaps: list[tuple[float, float, str, str]] = []  # (start, length, kernel before, kernel after)
     end, last = None, ""
     for start, stop, name in compute:

@@ -64,9 +64,7 @@ def main(model_name: str, workdir: Path) -> None:
     cuda_on_cpu()
     import torch.distributed as dist
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     import engine_megatron as em
     import megatron_ckpt
@@ -172,6 +170,12 @@ def main(model_name: str, workdir: Path) -> None:
         "steps_saved": sorted({float(s["step"]) for s in saved_states}),
         "steps_resumed": sorted({float(s["step"]) for s in states}),
         "latest": (ckpt_dir / "latest").read_text().strip()}))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def one_step(model: Any, optimizer: Any, tokens: torch.Tensor, positions: torch.Tensor,

@@ -113,10 +113,8 @@ def rank_main(rank: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    import socket
+    sys.path.insert(0, str(HERE))
+    from megatron_cpu_checkpoint import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free = sock.getsockname()[1]
-    torch.multiprocessing.spawn(rank_main, args=(free, sys.argv[1]), nprocs=4, join=True)
+    torch.multiprocessing.spawn(rank_main, args=(free_port(), sys.argv[1]), nprocs=4, join=True)
     print(Path(sys.argv[1]).read_text())
