@@ -7,10 +7,12 @@ two steps, saves, takes two more; builds a second model and optimizer from anoth
 two steps, and prints one JSON line comparing weights, fp32 master weights, Adam state and step count with what
 was saved, and the resumed run's two steps with the uninterrupted run's; then trains the same four steps with the
 engine's ParamGather (the param all-gather dispatched after each step) and compares them with megatron's own.
+gloo carries megatron's collectives one by one, not coalesced (uncoalesced_collectives).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -59,6 +61,42 @@ def cuda_on_cpu() -> None:
     torch.cuda.current_stream = lambda *a, **k: None
 
 
+def uncoalesced_collectives() -> None:
+    """Have megatron-core issue the collectives it coalesces per bucket group (param all-gather, grad
+    reduce-scatter) as plain async ops, one per bucket, behind a handle that waits for them all. torch's gloo
+    coalesced all-gather corrupts the heap when two are in flight at once, even on one rank (torch 2.13 CPU; the
+    repro is bench/gloo_coalesced_allgather.py, docs/benchmarks.md), and ParamGather puts every bucket's gather
+    in flight together, as it does with NCCL on GPUs, where coalescing only groups the kernel launches. This
+    changes how gloo carries each op, not when megatron or the engine dispatches it or waits for it."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from torch.distributed.distributed_c10d import _CoalescingManager
+
+    handles: list[Any] = []  # the handle of each open `with _coalescing_manager(...)` block
+
+    def issued(collective: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            work = collective(*args, **kwargs)
+            if work is not None and handles:
+                handles[-1].append(work)
+            return work
+        return call
+
+    @contextlib.contextmanager
+    def one_by_one(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
+        handle = _CoalescingManager()
+        handles.append(handle)
+        try:
+            yield handle
+        finally:
+            handles.pop()
+        if async_ops and not handle.works:
+            raise RuntimeError("megatron issued an async collective this shim does not capture")
+
+    pgb._coalescing_manager = one_by_one
+    pgb.dist_all_gather_func = issued(pgb.dist_all_gather_func)
+    pgb.dist_reduce_scatter_func = issued(pgb.dist_reduce_scatter_func)
+
+
 def main(model_name: str, workdir: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "stepdeploy" / "workload"))
     cuda_on_cpu()
@@ -66,6 +104,7 @@ def main(model_name: str, workdir: Path) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
+    uncoalesced_collectives()
     import engine_megatron as em
     import megatron_ckpt
     from megatron.core import parallel_state as ps

@@ -5,6 +5,8 @@ tiny MoE model three steps with megatron's dispatch (a bucket at a time from the
 model built from the same seed three steps with the engine's (every bucket after the optimizer step), with the
 engine's own DDP configuration (NCCL-style averaging in the collective; gloo has AVG). Rank 0 prints one JSON
 line: the losses of both, the weights that differ on any rank, and the bucket groups of each kind.
+
+gloo carries megatron's collectives one by one here, not coalesced (megatron_cpu_checkpoint.uncoalesced_collectives).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ HERE = Path(__file__).resolve().parent
 def rank_main(rank: int, port: int, out: str) -> None:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parents[2] / "stepdeploy" / "workload"))
-    from megatron_cpu_checkpoint import cuda_on_cpu, one_step
+    from megatron_cpu_checkpoint import cuda_on_cpu, one_step, uncoalesced_collectives
 
     cuda_on_cpu()
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)
+    uncoalesced_collectives()
     import engine_megatron as em
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
