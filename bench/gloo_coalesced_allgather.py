@@ -91,10 +91,11 @@ def main() -> int:
             proc = subprocess.run([sys.executable, __file__, "--ranks", str(args.ranks), "--rank-run",
                                    str(args.rounds), mode],
                                   capture_output=True, text=True, check=False)
-            crashes += proc.returncode != 0 and "terminated with signal" in proc.stderr
-            if proc.returncode != 0 and "terminated with signal" not in proc.stderr:
+            signalled = proc.returncode != 0 and "terminated with signal" in proc.stderr
+            if proc.returncode != 0 and not signalled:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 return 1
+            crashes += signalled
         print(f"{mode:14} runs {args.runs}  crashed {crashes}  {time.monotonic() - start:.0f} s")
     return 0
 

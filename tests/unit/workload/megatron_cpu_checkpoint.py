@@ -7,104 +7,24 @@ two steps, saves, takes two more; builds a second model and optimizer from anoth
 two steps, and prints one JSON line comparing weights, fp32 master weights, Adam state and step count with what
 was saved, and the resumed run's two steps with the uninterrupted run's; then trains the same four steps with the
 engine's ParamGather (the param all-gather dispatched after each step) and compares them with megatron's own.
-gloo carries megatron's collectives one by one, not coalesced (uncoalesced_collectives).
+gloo carries megatron's collectives one by one, not coalesced (megatron_cpu.uncoalesced_collectives).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import os
 import shutil
-import socket
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-
-
-def cuda_on_cpu() -> None:
-    def cpu(fn: Any) -> Any:
-        @functools.wraps(fn)
-        def wrap(*args: Any, **kwargs: Any) -> Any:
-            device = kwargs.get("device")
-            if device is not None and ("cuda" in str(device) or type(device) is int):
-                kwargs["device"] = "cpu"
-            return fn(*args, **kwargs)
-        return wrap
-
-    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like", "ones_like"):
-        setattr(torch, name, cpu(getattr(torch, name)))
-    tensor_to, tensor_type = torch.Tensor.to, torch.Tensor.type
-
-    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        args = tuple("cpu" if (isinstance(a, str) and "cuda" in a) or isinstance(a, torch.device) or type(a) is int
-                     else a for a in args)
-        if "device" in kwargs:
-            kwargs["device"] = "cpu"
-        return tensor_to(self, *args, **kwargs)
-
-    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            return tensor_type(self, *args, **kwargs)
-        return tensor_type(self).replace("torch.", "torch.cuda.", 1)  # megatron checks for CUDA tensor types
-
-    torch.Tensor.to, torch.Tensor.type = to, type_
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.nn.Module.cuda = lambda self, *a, **k: self
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.is_available = lambda: False
-    torch.cuda.current_stream = lambda *a, **k: None
-
-
-def uncoalesced_collectives() -> None:
-    """Have megatron-core issue the collectives it coalesces per bucket group (param all-gather, grad
-    reduce-scatter) as plain async ops, one per bucket, behind a handle that waits for them all. torch's gloo
-    coalesced all-gather corrupts the heap when two are in flight at once, even on one rank (torch 2.13 CPU; the
-    repro is bench/gloo_coalesced_allgather.py, docs/benchmarks.md), and ParamGather puts every bucket's gather
-    in flight together, as it does with NCCL on GPUs, where coalescing only groups the kernel launches. This
-    changes how gloo carries each op, not when megatron or the engine dispatches it or waits for it."""
-    from megatron.core.distributed import param_and_grad_buffer as pgb
-    from torch.distributed.distributed_c10d import _CoalescingManager
-
-    handles: list[Any] = []  # the handle of each open `with _coalescing_manager(...)` block
-
-    def issued(collective: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            work = collective(*args, **kwargs)
-            if work is not None and handles:
-                handles[-1].append(work)
-            return work
-        return call
-
-    @contextlib.contextmanager
-    def one_by_one(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
-        handle = _CoalescingManager()
-        handles.append(handle)
-        try:
-            yield handle
-        finally:
-            handles.pop()
-        if async_ops and not handle.works:
-            raise RuntimeError("megatron issued an async collective this shim does not capture")
-
-    pgb._coalescing_manager = one_by_one
-    pgb.dist_all_gather_func = issued(pgb.dist_all_gather_func)
-    pgb.dist_reduce_scatter_func = issued(pgb.dist_reduce_scatter_func)
+from megatron_cpu import free_port, megatron_on_cpu, one_step
 
 
 def main(model_name: str, workdir: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "stepdeploy" / "workload"))
-    cuda_on_cpu()
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    uncoalesced_collectives()
+    megatron_on_cpu(0, 1, free_port())
     import engine_megatron as em
     import megatron_ckpt
     from megatron.core import parallel_state as ps
@@ -209,26 +129,6 @@ def main(model_name: str, workdir: Path) -> None:
         "steps_saved": sorted({float(s["step"]) for s in saved_states}),
         "steps_resumed": sorted({float(s["step"]) for s in states}),
         "latest": (ckpt_dir / "latest").read_text().strip()}))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def one_step(model: Any, optimizer: Any, tokens: torch.Tensor, positions: torch.Tensor,
-             after_step: Any = None) -> float:
-    """One training step of a megatron DDP model and its distributed optimizer, as the engine's loop takes it."""
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
-    loss.backward()
-    model.finish_grad_sync()
-    optimizer.step()
-    if after_step is not None:
-        after_step()
-    return float(loss)
 
 
 def counted(fn: Any, calls: list[int]) -> Any:

@@ -6,13 +6,12 @@ model built from the same seed three steps with the engine's (every bucket after
 engine's own DDP configuration (NCCL-style averaging in the collective; gloo has AVG). Rank 0 prints one JSON
 line: the losses of both, the weights that differ on any rank, and the bucket groups of each kind.
 
-gloo carries megatron's collectives one by one here, not coalesced (megatron_cpu_checkpoint.uncoalesced_collectives).
+gloo carries megatron's collectives one by one here, not coalesced (megatron_cpu.uncoalesced_collectives).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,16 +23,11 @@ HERE = Path(__file__).resolve().parent
 
 def rank_main(rank: int, port: int, out: str) -> None:
     sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parents[2] / "stepdeploy" / "workload"))
-    from megatron_cpu_checkpoint import cuda_on_cpu, one_step, uncoalesced_collectives
+    from megatron_cpu import megatron_on_cpu, one_step
 
-    cuda_on_cpu()
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
-    uncoalesced_collectives()
+    megatron_on_cpu(rank, 4, port)
     import engine_megatron as em
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -117,7 +111,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
-    from megatron_cpu_checkpoint import free_port
+    from megatron_cpu import free_port
 
     torch.multiprocessing.spawn(rank_main, args=(free_port(), sys.argv[1]), nprocs=4, join=True)
     print(Path(sys.argv[1]).read_text())

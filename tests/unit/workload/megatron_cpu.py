@@ -1,0 +1,120 @@
+"""What the CPU megatron-core scripts (megatron_cpu_checkpoint.py, megatron_cpu_param_gather.py) share: making
+megatron-core run on the CPU over gloo, and the training step the engine's loop takes. Each script runs in a
+process of its own, because megatron_on_cpu repoints torch's CUDA calls for the whole process."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORKLOAD = Path(__file__).resolve().parents[3] / "stepdeploy" / "workload"
+
+
+def megatron_on_cpu(rank: int, world: int, port: int) -> None:
+    """Make stepdeploy/workload importable, point megatron-core's CUDA calls at the CPU, join a gloo group of
+    `world` ranks on 127.0.0.1:port, and have gloo carry megatron's collectives one by one."""
+    sys.path.insert(0, str(WORKLOAD))
+    cuda_on_cpu()
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    uncoalesced_collectives()
+
+
+def cuda_on_cpu() -> None:
+    def cpu(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrap(*args: Any, **kwargs: Any) -> Any:
+            device = kwargs.get("device")
+            if device is not None and ("cuda" in str(device) or type(device) is int):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+        return wrap
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like", "ones_like"):
+        setattr(torch, name, cpu(getattr(torch, name)))
+    tensor_to, tensor_type = torch.Tensor.to, torch.Tensor.type
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        args = tuple("cpu" if (isinstance(a, str) and "cuda" in a) or isinstance(a, torch.device) or type(a) is int
+                     else a for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = "cpu"
+        return tensor_to(self, *args, **kwargs)
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return tensor_type(self, *args, **kwargs)
+        return tensor_type(self).replace("torch.", "torch.cuda.", 1)  # megatron checks for CUDA tensor types
+
+    torch.Tensor.to, torch.Tensor.type = to, type_
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.is_available = lambda: False
+    torch.cuda.current_stream = lambda *a, **k: None
+
+
+def uncoalesced_collectives() -> None:
+    """Have megatron-core issue the collectives it coalesces per bucket group (param all-gather, grad
+    reduce-scatter) as plain async ops, one per bucket, behind a handle that waits for them all. torch's gloo
+    coalesced all-gather corrupts the heap when two are in flight at once, even on one rank (torch 2.13 CPU; the
+    repro is bench/gloo_coalesced_allgather.py, docs/benchmarks.md), and ParamGather puts every bucket's gather
+    in flight together, as it does with NCCL on GPUs, where coalescing only groups the kernel launches. This
+    changes how gloo carries each op, not when megatron or the engine dispatches it or waits for it."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from torch.distributed.distributed_c10d import _CoalescingManager
+
+    handles: list[Any] = []  # the handle of each open `with _coalescing_manager(...)` block
+
+    def issued(collective: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            work = collective(*args, **kwargs)
+            if work is not None and handles:
+                handles[-1].append(work)
+            return work
+        return call
+
+    @contextlib.contextmanager
+    def one_by_one(group: Any = None, device: Any = None, async_ops: bool = False) -> Any:
+        handle = _CoalescingManager()
+        handles.append(handle)
+        try:
+            yield handle
+        finally:
+            handles.pop()
+        if async_ops and not handle.works:
+            raise RuntimeError("megatron issued an async collective this shim does not capture")
+
+    pgb._coalescing_manager = one_by_one
+    pgb.dist_all_gather_func = issued(pgb.dist_all_gather_func)
+    pgb.dist_reduce_scatter_func = issued(pgb.dist_reduce_scatter_func)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def one_step(model: Any, optimizer: Any, tokens: torch.Tensor, positions: torch.Tensor,
+             after_step: Any = None) -> float:
+    """One training step of a megatron DDP model and its distributed optimizer, as the engine's loop takes it."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
+    model.finish_grad_sync()
+    optimizer.step()
+    if after_step is not None:
+        after_step()
+    return float(loss)
