@@ -37,6 +37,7 @@ from stepdeploy.workload.ckpt import latest_iteration  # noqa: E402  (standard l
 
 REMOTE = "/tmp/sdruns"
 DENSE, MOE = "proxy-0.7b-dense", "proxy-0.7b-moe"
+S35 = "step-3.5-flash-slice-1gpu"
 
 
 def cfg(model: str, gpus: int, layout: str | None, *, iterations: int = 20, gbs: int | None = None,
@@ -88,6 +89,12 @@ CONFIGS: dict[str, dict] = {
     "monitor-d2": cfg(DENSE, 2, "mbs=4", iterations=120, kind="monitor", save_interval=60),
     "monitor-d1": cfg(DENSE, 1, "mbs=4", iterations=60, kind="monitor", save_interval=30),
     "experts": {"kind": "script", "script": "bench/gpu_experts.py", "gpus": 1},
+    "attention": {"kind": "script", "script": "bench/gpu_attention.py", "gpus": 1},
+    # Step-3.5-Flash's one-GPU slice: the planner's own layout (profiled), then each micro-batch size
+    "s35-1": cfg(S35, 1, None, iterations=22, env=PROFILE),
+    "s35-1-m1": cfg(S35, 1, "mbs=1", iterations=12),
+    "s35-1-m2": cfg(S35, 1, "mbs=2", iterations=12),
+    "s35-1-m4": cfg(S35, 1, "mbs=4", iterations=12, gbs=16),
     # exploration: options measured before they become the engine's defaults
     "x-dense-1-m8": cfg(DENSE, 1, "mbs=8", iterations=12),
     "x-dense-1-m4-ce": cfg(DENSE, 1, "mbs=4", iterations=12,
@@ -115,6 +122,7 @@ SETS = {
     "memory": [n for n in CONFIGS if n.startswith("mem-")],
     "resume": ["resume-d1-ref", "resume-d1", "resume-d2-ref", "resume-d2", "resume-m2-ref", "resume-m2"],
     "explore": ["x-dense-1-m4", "x-dense-1-m8", "x-dense-1-m4-ce"],
+    "step35": ["attention", "s35-1", "s35-1-m1", "s35-1-m2"],
 }
 
 

@@ -50,6 +50,7 @@ class Efficiency(_Frozen):
     dense: float = Field(gt=0, le=1)
     experts_grouped_gemm: float = Field(gt=0, le=1)  # at EXPERT_ROWS_REF rows per expert (plan/steptime.py)
     experts_grouped_half_rows: float = Field(default=0.0, ge=0)  # rows per expert where it reaches half its ceiling
+    experts_grouped_half_width: float = Field(default=0.0, ge=0)  # expert FFN width where it reaches half its ceiling
     experts_sequential: float = Field(gt=0, le=1)
     comm_overlap: float = Field(ge=0, le=1)
     sources: list[str] = Field(min_length=1)

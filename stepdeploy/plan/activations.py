@@ -131,13 +131,16 @@ def in_flight_microbatches(layout: Layout, stage: int, microbatches: int) -> flo
 
 
 def logits_bytes(spec: ModelSpec, layout: Layout, seq_length: int) -> float:
-    """Last stage, per head (MTP heads too): final-norm input and output-layer input (h wide, SP-sharded),
-    bf16 logits + their fp32 copy that the vocab-parallel cross entropy turns into the saved softmax
-    (both alive at the end of the forward pass and again while backward casts the gradient to bf16)."""
+    """Last stage: per head (the main one and every MTP one), the final-norm input and output-layer input (h wide,
+    SP-sharded), the bf16 logits and the fp32 copy that the vocab-parallel cross entropy turns into the saved
+    softmax, all alive from the end of the forward pass until that head's backward; and, for one head at a time
+    (its backward), the fused cross entropy's extra fp32 copy: measured +1.00 GiB at MBS 4 and +2.09 GiB at MBS 8
+    on the dense proxy (32768 vocab, seq 2048); with step-3.5-flash-slice-1gpu's two heads (128,896 vocab, seq
+    4096) this puts the peaks at MBS 1, 2, 4 within 2.4 % of the measured 70.51, 82.38, 107.04 GiB, where an extra
+    copy per head over-predicted them by up to 8.7 % (docs/benchmarks.md, 2026-12-01)."""
     shards = token_shards(seq_length, layout)
     heads = 1 + spec.mtp_num_layers
     head_inputs = 2 * spec.hidden_size * BF16 * shards.hidden
-    # megatron-core's fused cross entropy (the engine's default) holds one more fp32 copy: measured +1.00 GiB
-    # at MBS 4 and +2.09 GiB at MBS 8 on the dense proxy (32768 vocab, seq 2048), docs/benchmarks.md
-    per_entry = BF16 + FP32 * (2 if layout.cross_entropy_fusion else 1)
-    return heads * (head_inputs + shards.attention * spec.vocab_size / layout.tp * per_entry)
+    entries = shards.attention * spec.vocab_size / layout.tp
+    fused_extra = entries * FP32 if layout.cross_entropy_fusion else 0.0
+    return heads * (head_inputs + entries * (BF16 + FP32)) + fused_extra

@@ -144,7 +144,7 @@ def layer_params(spec: ModelSpec, shape: LayerShape, label: str) -> LayerParams:
 
 def mtp_layer_params(spec: ModelSpec, index: int) -> LayerParams:
     h = spec.hidden_size
-    base = layer_params(spec, spec.mtp_layer(), f"mtp{index}")
+    base = layer_params(spec, spec.mtp_layer(index), f"mtp{index}")
     extra = 2 * _norm(spec, h) + 2 * h * h + _norm(spec, h)  # enorm, hnorm, eh_proj, final norm
     return LayerParams(**{**base.__dict__, "mtp_extra": extra})
 

@@ -52,6 +52,13 @@ HOST_OVERLAP_P = 6
 # zeroing the grad buffer, the syncs around the optimizer step. Measured: dense runs of 2 micro-batches
 # (gbs 8 and 16, iterations 3-4 of the lead's memtrace runs, 2026-11-29) took 12-15 ms more than predicted.
 STEP_HOST_S = 0.014
+# The optimizer step (megatron's gradient-norm clip, torch's foreach Adam over fp32 master weights, m and v, the
+# copy back to bf16 parameters) per parameter a rank owns, as bytes moved at the GPU's measured copy bandwidth.
+# The ideal is ~30 B (read grad, master, m, v; write master, m, v; write the bf16 param); measured on one H200,
+# the engine's optimizer phase (optimizer_s in metrics.jsonl) took 22 ms for the dense proxy (0.738B owned), 90 ms
+# for the MoE proxy (3.56B) and 99 ms for step-3.5-flash-slice-1gpu (3.44B): 25-30 ns per parameter, i.e. about
+# 116 B at 4.3 TB/s (the 2-GPU DP2 runs own half: 47-64 ms MoE, 12-17 ms dense; docs/benchmarks.md).
+OPTIMIZER_STEP_BYTES = 116
 
 
 def overlap(gpu: float, host: float) -> float:
@@ -136,22 +143,29 @@ def _optimizer_step(
     owned = held.dense / shards[0] + held.expert / shards[1]
     if layout.optimizer_cpu_offload:
         return held.total * (4 + 2) / (OFFLOAD_PCIE_GBPS * GB)
-    return owned * 30 / (cluster.gpu.memory_bandwidth_gbps * GB)  # read+write master, m, v; grad; param
+    return owned * OPTIMIZER_STEP_BYTES / (cluster.gpu.memory_bandwidth_gbps * GB)
 
 
 EXPERT_ROWS_REF = 2048  # rows per expert of the calibration runs: MBS 4 x seq 2048 x top-2 / 8 experts
+EXPERT_WIDTH_REF = 8192  # expert FFN width of the calibration runs (proxy-0.7b-moe)
 
 
 def grouped_expert_efficiency(eff: Efficiency, job: Job, layout: Layout) -> float:
-    """Grouped expert GEMMs run faster the more rows each expert gets (fewer, fuller tiles): a saturating
-    curve rows / (rows + half_rows), equal to experts_grouped_gemm at EXPERT_ROWS_REF rows. Rows per expert
-    per micro-batch: every EP rank's routed tokens reach each expert of its group."""
+    """Grouped expert GEMMs run faster the more rows each expert gets (fewer, fuller tiles) and the wider the
+    expert (a narrow FFN makes short GEMMs whose fixed costs and routed-row handling weigh more per FLOP): two
+    saturating curves, rows / (rows + half_rows) and width / (width + half_width), equal to experts_grouped_gemm
+    at EXPERT_ROWS_REF rows and EXPERT_WIDTH_REF wide. Rows per expert per micro-batch: every EP rank's routed
+    tokens reach each expert of its group."""
     moe = job.model.moe
     if moe is None or not eff.experts_grouped_half_rows:
         return eff.experts_grouped_gemm
     rows = layout.mbs * job.seq_length / layout.cp * moe.topk * layout.ep / moe.num_experts
     half = eff.experts_grouped_half_rows
-    return min(1.0, eff.experts_grouped_gemm * (rows / (rows + half)) / (EXPERT_ROWS_REF / (EXPERT_ROWS_REF + half)))
+    factor = (rows / (rows + half)) / (EXPERT_ROWS_REF / (EXPERT_ROWS_REF + half))
+    if eff.experts_grouped_half_width:
+        width, half_w = moe.ffn_hidden_size, eff.experts_grouped_half_width
+        factor *= (width / (width + half_w)) / (EXPERT_WIDTH_REF / (EXPERT_WIDTH_REF + half_w))
+    return min(1.0, eff.experts_grouped_gemm * factor)
 
 
 def predict_step_time(

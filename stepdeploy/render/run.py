@@ -27,7 +27,7 @@ from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, choose_engine, workload_config
 
 WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatron_ckpt.py", "experts_grouped.py",
-                    "traces.py", "ckpt.py", "metrics.py")
+                    "attention.py", "layers.py", "traces.py", "ckpt.py", "metrics.py")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepdeploy.catalog import ModelSpec
+from stepdeploy.catalog import LayerShape, ModelSpec
 from stepdeploy.errors import BadInput
 from stepdeploy.plan.flops import model_flops_per_token
 from stepdeploy.plan.layout import Layout
@@ -39,9 +39,13 @@ def check_engine(engine: str, layout: Layout, spec: ModelSpec, gpus_per_node: in
     elif layout.cp > 1:
         raise BadInput("context parallelism needs TransformerEngine's attention; stock megatron-core's "
                        "local attention (and torch SDPA) run only cp=1", hint="choose a layout with cp=1")
-    if spec.attention_gate != "none" or spec.sliding_window is not None:
-        raise BadInput(f"{spec.name}: per-head attention gates and sliding windows are not in stock "
-                       "megatron-core or the torch engine; use a proxy model (e.g. proxy-0.7b-moe)")
+    if engine == "torch" and not spec.uniform_attention:
+        raise BadInput(f"{spec.name}: the torch engine trains uniform layers only (no sliding windows, per-head "
+                       "gates, per-layer RoPE, zero-centred norms or SwiGLU clamps)",
+                       hint="pass --engine megatron on GPU nodes, or use a proxy model (e.g. tiny-moe)")
+    if engine == "megatron" and spec.swiglu_limits and not layout.grouped_experts:
+        raise BadInput(f"{spec.name}: its clamped experts need the engine's grouped experts (torch._grouped_mm), "
+                       "which this layout does not use", hint="choose a layout with etp=1")
 
 
 def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, engine: str, world: int,
@@ -58,6 +62,9 @@ def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, eng
         raise BadInput(f"global batch {gbs} is not a multiple of micro-batch {layout.mbs} x DP {dp}")
     flops = model_flops_per_token(count_parameters(spec), spec, seq).total
     model = {k: v for k, v in spec.model_dump().items() if k not in MODEL_FIELDS_DROPPED}
+    model["layers"] = [layer_config(shape) for shape in spec.layers()]
+    model["mtp_layers"] = [layer_config(shape) for shape in spec.mtp_layers()]
+    model["uniform_attention"] = spec.uniform_attention
     return {
         "format": 1,
         "engine": engine,
@@ -80,6 +87,13 @@ def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, eng
         "flops_per_token": flops,
         "peak_tflops": peak_tflops,
     }
+
+
+def layer_config(shape: LayerShape) -> dict[str, Any]:
+    """One layer as the engine builds it (workload/layers.py): the catalog's shape of that layer."""
+    return {"index": shape.index, "attention": shape.attention, "ffn": shape.ffn, "num_heads": shape.num_heads,
+            "window": shape.window, "rope": shape.rope.model_dump(), "swiglu_limit": shape.swiglu_limit,
+            "shared_swiglu_limit": shape.shared_swiglu_limit}
 
 
 def _parallel(layout: Layout) -> dict[str, Any]:

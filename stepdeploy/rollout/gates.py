@@ -17,7 +17,8 @@ from typing import Any
 class Thresholds:
     """Gate thresholds; the defaults are documented in docs/rollout.md."""
 
-    min_scaling_efficiency: float = 0.7  # per-GPU throughput vs the previous rung
+    min_scaling_efficiency: float = 0.7  # per-GPU throughput vs the previous rung of the same model
+    min_mfu_vs_plan: float = 0.7  # a rung that changes the model: its MFU vs the planner's prediction
     memory_tolerance: float = 0.15  # measured peak vs the plan's prediction, either way
     loss_window: int = 3  # iterations averaged at the start and the end to call the loss "falling"
     max_step_time_s: float | None = None  # optional ceiling on the steady step time
@@ -87,6 +88,24 @@ def scaling_efficiency(current: float | None, previous: float | None, t: Thresho
     return GateVerdict("scaling_efficiency", passed, round(ratio, 3), t.min_scaling_efficiency,
                        f"per-GPU throughput {current:,.0f} tok/s = {ratio:.2f} of the previous rung's {previous:,.0f}"
                        + ("" if passed else f" (< {t.min_scaling_efficiency})"))
+
+
+def mfu_matches_plan(measured: float | None, predicted: float | None, t: Thresholds) -> GateVerdict:
+    """A rung that trains another model than the rung before it is not a scaling step (per-GPU throughput of two
+    models says nothing about scaling): it is judged by its MFU against the planner's prediction for it."""
+    if measured is None or predicted is None:
+        return GateVerdict("mfu_vs_plan", True, measured, predicted,
+                           "not judged: no MFU measured (CPU run) or no prediction")
+    ratio = measured / predicted
+    passed = ratio >= t.min_mfu_vs_plan
+    return GateVerdict("mfu_vs_plan", passed, round(ratio, 3), t.min_mfu_vs_plan,
+                       f"MFU {measured:.1%} = {ratio:.2f} of the plan's {predicted:.1%}"
+                       + ("" if passed else f" (< {t.min_mfu_vs_plan})"))
+
+
+def steady_mfu(metrics: Metrics) -> float | None:
+    values = [m["mfu"] for m in metrics[1:] if isinstance(m.get("mfu"), int | float)]  # the first step is warmup
+    return statistics.median(values) if values else None
 
 
 def memory_matches_plan(measured_gib: float | None, predicted_gib: float | None, t: Thresholds) -> GateVerdict:

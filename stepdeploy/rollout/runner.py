@@ -68,10 +68,10 @@ class Rollout:
         rungs = scale_ladder(self.cluster, self.config.model, self.config.proxy_model)
         self.ledger.add_rungs(self.run_id, "scale", [(r.name, r.as_dict()) for r in rungs])
         done = {r["name"]: r for r in self.ledger.rungs(self.run_id, "scale")}
-        previous: float | None = None
+        previous: tuple[str, float | None] | None = None  # the last rung run: (its model, per-GPU throughput)
         for rung in rungs:
             if done[rung.name]["status"] == "passed":
-                previous = self._recorded_throughput(rung.name) or previous
+                previous = (rung.model, self._recorded_throughput(rung.name))
                 continue
             if rung.skip_reason:
                 self.ledger.set_rung(self.run_id, "scale", rung.name, "skipped", rung.skip_reason)
@@ -80,15 +80,21 @@ class Rollout:
             metrics, _summary, _status = self._gated_attempt(
                 "scale", rung, self.config.scale_iterations,
                 extra=lambda m, s, r=rung, p=previous: self._scale_gates(r, m, s, p))
-            previous = gates.throughput_per_gpu(metrics, rung.world)
+            previous = (rung.model, gates.throughput_per_gpu(metrics, rung.world))
             self.ledger.set_rung(self.run_id, "scale", rung.name, "passed")
 
     def _scale_gates(self, rung: Rung, metrics: list[dict[str, Any]], summary: dict[str, Any],
-                     previous: float | None) -> list[gates.GateVerdict]:
+                     previous: tuple[str, float | None] | None) -> list[gates.GateVerdict]:
+        """Scaling efficiency only against the previous rung of the same model; a rung that changes the model
+        (the target after its proxy) is judged by its MFU against the plan."""
         t = self.config.thresholds
         current = gates.throughput_per_gpu(metrics, rung.world)
         peak = max((m["mem_peak_gib"] for m in metrics if m.get("mem_peak_gib")), default=None)
-        verdicts = [gates.loss_falling(metrics, t), gates.scaling_efficiency(current, previous, t),
+        if previous is not None and previous[0] != rung.model:
+            scaling = gates.mfu_matches_plan(gates.steady_mfu(metrics), summary.get("predicted_mfu"), t)
+        else:
+            scaling = gates.scaling_efficiency(current, previous[1] if previous else None, t)
+        verdicts = [gates.loss_falling(metrics, t), scaling,
                     gates.memory_matches_plan(peak, summary.get("predicted_torch_allocated_gib"), t)]
         ceiling = gates.step_time_ceiling(metrics, t)
         return [*verdicts, ceiling] if ceiling else verdicts

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attention
 import experts_grouped
+import layers
 import megatron_ckpt
 import torch
 import torch.distributed as dist
@@ -60,6 +62,8 @@ def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         kwargs |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     elif p["recompute"] == "selective":
         kwargs["recompute_granularity"] = "selective"
+    if m.get("mtp_num_layers"):
+        kwargs["mtp_num_layers"] = m["mtp_num_layers"]  # megatron's MTP loss scale (0.1 over the layers) applies
     moe = m["moe"]
     if moe:
         dense = moe["first_dense_layers"]
@@ -71,12 +75,22 @@ def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
             "moe_router_score_function": moe["score_function"],
             "moe_router_enable_expert_bias": moe["router_expert_bias"],
             "moe_token_dispatcher_type": p["dispatcher"] if p["dispatcher"] != "flex" else "alltoall",
-            "moe_grouped_gemm": False, "moe_aux_loss_coeff": 1e-2,
-            "moe_router_load_balancing_type": "aux_loss",
-        }
+            "moe_grouped_gemm": False,
+        } | load_balancing_kwargs(moe)
         if moe["router_scaling_factor"]:
             kwargs["moe_router_topk_scaling_factor"] = moe["router_scaling_factor"]
+        if moe.get("router_fp32"):
+            kwargs["moe_router_dtype"] = "fp32"
     return kwargs
+
+
+def load_balancing_kwargs(moe: dict[str, Any]) -> dict[str, Any]:
+    """How the router keeps experts balanced: an auxiliary loss, or the auxiliary-loss-free expert bias that
+    megatron-core's finalize_model_grads updates after every step (bias += rate x sign(mean load - load))."""
+    if moe.get("load_balancing", "aux_loss") == "expert_bias":
+        return {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+                "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": moe["bias_update_rate"]}
+    return {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": moe.get("aux_loss_coeff", 1e-2)}
 
 
 def parallel_sizes(cfg: dict[str, Any]) -> dict[str, int]:
@@ -86,46 +100,21 @@ def parallel_sizes(cfg: dict[str, Any]) -> dict[str, int]:
             "expert_tensor_parallel_size": p["etp"]}
 
 
-def flash_attn_func() -> Any:
-    """flash-attn's flash_attn_func when the package imports (it is optional), else None."""
-    try:
-        from flash_attn import flash_attn_func as func
-    except ImportError:
-        return None
-    return func
-
-
 def sdpa_core_attention() -> type:
-    """A core-attention module with DotProductAttention's interface: flash-attn's kernel when flash-attn is
-    importable (bf16/fp16), otherwise torch SDPA (which picks its own flash or cuDNN kernel on Hopper)."""
-    from megatron.core.transformer.module import MegatronModule
+    """The core attention of every layer of a uniform model (full causal attention): attention.py's."""
+    return attention.core_attention_class(None)
 
-    flash = flash_attn_func()
 
-    class SdpaAttention(MegatronModule):
-        uses_flash_attn = flash is not None
-
-        def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str = "self",
-                     attention_dropout: float | None = None, softmax_scale: float | None = None,
-                     **_ignored: Any) -> None:
-            super().__init__(config=config)
-            self.softmax_scale = softmax_scale
-            self.layer_number = layer_number
-
-        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
-                    **_extra: Any) -> torch.Tensor:
-            seq, batch = query.shape[0], query.shape[1]
-            if flash is not None and query.dtype in (torch.bfloat16, torch.float16):
-                q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [s, b, n, d] -> [b, s, n, d]
-                out = flash(q, k, v, softmax_scale=self.softmax_scale, causal=True)  # GQA: fewer k/v heads
-                return out.transpose(0, 1).reshape(seq, batch, -1)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
-            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
-
-    return SdpaAttention
+def choose_experts(config: Any, experts: str) -> str | None:
+    """Set up the grouped experts when workload.json asks for them and they can run (None), else say why not
+    (megatron's SequentialMLP then). Logs the choice."""
+    grouped = experts.startswith("grouped_mm")  # grouped_mm (compiled elementwise), grouped_mm_eager
+    reason = experts_grouped.unsupported_reason(config) if grouped else f"workload.json: {experts}"
+    if reason is None:
+        experts_grouped.ELEMENTWISE = "eager" if experts == "grouped_mm_eager" else "compile"
+    chosen = f"torch._grouped_mm, {experts_grouped.ELEMENTWISE} elementwise" if reason is None else None
+    log(dist.get_rank() if dist.is_initialized() else 0, f"MoE experts: {chosen or f'SequentialMLP ({reason})'}")
+    return reason
 
 
 def layer_specs(config: Any, normalization: str, experts: str = "grouped_mm") -> Any:
@@ -134,18 +123,27 @@ def layer_specs(config: Any, normalization: str, experts: str = "grouped_mm") ->
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
-    attention = sdpa_core_attention()
+    core = sdpa_core_attention()
     for spec in block.layer_specs:
-        spec.submodules.self_attention.submodules.core_attention = attention
-    if config.num_moe_experts:
-        grouped = experts.startswith("grouped_mm")  # grouped_mm (compiled elementwise), grouped_mm_eager
-        reason = experts_grouped.unsupported_reason(config) if grouped else f"workload.json: {experts}"
-        if reason is None:
-            experts_grouped.ELEMENTWISE = "eager" if experts == "grouped_mm_eager" else "compile"
-            experts_grouped.use_in_block_spec(block, config)
-        chosen = f"torch._grouped_mm, {experts_grouped.ELEMENTWISE} elementwise" if reason is None else None
-        log(dist.get_rank() if dist.is_initialized() else 0, f"MoE experts: {chosen or f'SequentialMLP ({reason})'}")
+        spec.submodules.self_attention.submodules.core_attention = core
+    if config.num_moe_experts and choose_experts(config, experts) is None:
+        experts_grouped.use_in_block_spec(block, config)
     return block
+
+
+def model_specs(cfg: dict[str, Any], config: Any) -> tuple[Any, Any]:
+    """The decoder block spec and the MTP block spec (None without MTP or off its stage): megatron's stock spec
+    for a uniform model, layers.py's per-layer specs otherwise (Step-3.5-Flash)."""
+    m, experts = cfg["model"], cfg["parallel"].get("experts", "grouped_mm")
+    if m.get("uniform_attention", True) and not m["mtp_layers"]:
+        return layer_specs(config, m["normalization"], experts), None
+    if config.num_moe_experts and choose_experts(config, experts) is not None:
+        experts = "sequential"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for kind in sorted({(layer["attention"], layer["window"]) for layer in m["layers"] + m["mtp_layers"]}, key=str):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        log(rank, f"{kind[0]} attention layers: {attention.kernel_name(kind[1], device)}")
+    return layers.block_spec(cfg, config, experts), layers.mtp_block_spec(cfg, config, experts)
 
 
 def _define_missing_te_names() -> None:
@@ -161,8 +159,8 @@ def build_model(cfg: dict[str, Any], config: Any, pre_process: bool = True, post
 
     _define_missing_te_names()
     m = cfg["model"]
-    return GPTModel(config=config, transformer_layer_spec=layer_specs(config, m["normalization"],
-                                                                   cfg["parallel"].get("experts", "grouped_mm")),
+    block, mtp = model_specs(cfg, config)
+    return GPTModel(config=config, transformer_layer_spec=block, mtp_block_spec=mtp,
                     vocab_size=m["vocab_size"], max_sequence_length=m["max_position_embeddings"],
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
@@ -223,9 +221,8 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
                         bf16=True, use_distributed_optimizer=p["distributed_optimizer"], clip_grad=1.0), [model])
     trace.mark("optimizer")
     params = sum(q.numel() for q in model.parameters())
-    attention = "flash-attn" if flash_attn_func() is not None else "torch SDPA"
     log(rank, f"megatron engine: {params:,} parameters on this rank, world {world}, DP {dp}, "
-              f"{micro_batches} micro-batch(es) of {mbs}x{seq}, attention {attention}, layout {p}")
+              f"{micro_batches} micro-batch(es) of {mbs}x{seq}, layout {p}")
     pool = [b.cuda() for b in token_pool(cfg["model"]["vocab_size"], t["seed"], seq, mbs, ps.get_data_parallel_rank())]
     positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(mbs, -1)
 

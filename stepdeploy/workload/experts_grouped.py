@@ -99,14 +99,52 @@ def _swiglu_scale_backward(fc1: torch.Tensor, probs: torch.Tensor,
     return torch.cat((grad_a, grad_b), -1).to(fc1.dtype), grad_probs, (act * p).to(fc1.dtype)
 
 
+def _swiglu_clamped_scale(fc1: torch.Tensor, probs: torch.Tensor, limit: float) -> torch.Tensor:
+    """Step-3.5-Flash's clamped SwiGLU, min(silu(a), limit) * clamp(b, -limit, limit), then the router's probs."""
+    a, b = torch.chunk(fc1, 2, dim=-1)
+    act = F.silu(a).clamp(max=limit) * b.clamp(-limit, limit)
+    return (act * probs.unsqueeze(-1)).to(fc1.dtype)
+
+
+def _swiglu_clamped_scale_backward(fc1: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor,
+                                   limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of _swiglu_clamped_scale (a clamp passes the gradient where its input lies inside, bounds
+    included, as torch.clamp's backward), and the output again for fc2's weight gradient."""
+    a, b = torch.chunk(fc1, 2, dim=-1)
+    af, bf = a.float(), b.float()
+    sig = torch.sigmoid(af)
+    silu = af * sig
+    silu_c, b_c = silu.clamp(max=limit), bf.clamp(-limit, limit)
+    act = silu_c * b_c
+    p = probs.unsqueeze(-1)
+    g = grad.float()
+    grad_probs = (g * act).sum(-1)
+    grad_act = g * p
+    grad_a = grad_act * b_c * (silu <= limit) * (sig * (1.0 + af * (1.0 - sig)))
+    grad_b = grad_act * silu_c * ((bf >= -limit) & (bf <= limit))
+    return torch.cat((grad_a, grad_b), -1).to(fc1.dtype), grad_probs, (act * p).to(fc1.dtype)
+
+
 class Elementwise:
     """The activation-and-scaling step and its backward, eager or compiled by torch.compile (one fused kernel
     each way instead of ~8, and no fp32 [tokens, ffn] temporaries). `compile` falls back to eager, once, with a
-    log line, where torch.compile cannot run."""
+    log line, where torch.compile cannot run. `limit`: a clamped SwiGLU (Step-3.5-Flash's swiglu_limits)."""
 
-    def __init__(self, gated: bool, mode: str) -> None:
+    def __init__(self, gated: bool, mode: str, limit: float | None = None) -> None:
         self.forward_fn, self.backward_fn = ((_swiglu_scale, _swiglu_scale_backward) if gated
                                              else (_gelu_scale, _gelu_scale_backward))
+        if limit is not None:
+            if not gated:
+                raise ValueError("a SwiGLU limit needs a gated MLP")
+
+            def forward_fn(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+                return _swiglu_clamped_scale(fc1, probs, limit)
+
+            def backward_fn(fc1: torch.Tensor, probs: torch.Tensor,
+                            grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return _swiglu_clamped_scale_backward(fc1, probs, grad, limit)
+
+            self.forward_fn, self.backward_fn = forward_fn, backward_fn
         self.mode = mode
         self._compiled: tuple[Any, Any] | None = None
         if mode == "compile":
@@ -189,6 +227,8 @@ def _build_class() -> type:
     class GroupedMMExperts(MegatronModule):
         """The local experts of one MoE layer as two stacked weights run by torch._grouped_mm."""
 
+        swiglu_limit: float | None = None  # a subclass per clamped layer sets it (with_swiglu_limit)
+
         def __init__(self, num_local_experts: int, config: Any, submodules: Any = None,
                      pg_collection: Any = None, name: str | None = None, **_ignored: Any) -> None:
             super().__init__(config=config)
@@ -210,7 +250,7 @@ def _build_class() -> type:
                                                           dtype=config.params_dtype))
             if config.perform_initialization:
                 self._initialize(config)
-            self.elementwise = Elementwise(config.gated_linear_unit, ELEMENTWISE)
+            self.elementwise = Elementwise(config.gated_linear_unit, ELEMENTWISE, self.swiglu_limit)
             # As megatron's expert linears: tensor-parallel attributes (ETP 1: whole), and expert-parallel
             # parameters (allreduce False) go to the expert data-parallel group in DDP and the optimizer.
             tp = config.tensor_model_parallel_size
@@ -290,6 +330,15 @@ def experts_class() -> type:
     if _CLASS is None:
         _CLASS = _build_class()
     return _CLASS
+
+
+def with_swiglu_limit(limit: float | None) -> type:
+    """The experts class, or a subclass that clamps its SwiGLU at `limit` (a class, not a spec with params: both
+    megatron-core 0.16, which builds experts from a spec, and 0.19, which calls the builder, accept a class)."""
+    cls = experts_class()
+    if limit is None:
+        return cls
+    return type(f"GroupedMMExpertsClamped{limit:g}", (cls,), {"swiglu_limit": float(limit)})
 
 
 def use_in_block_spec(block: Any, config: Any) -> int:

@@ -17,8 +17,12 @@ COMMUNICATION, NCCL_KERNEL = "communication (NCCL)", re.compile(r"nccl", re.I)
 CATEGORIES = (
     (COMMUNICATION, NCCL_KERNEL),
     ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
-    ("grouped GEMM", re.compile(r"grouped", re.I)),
+    ("grouped GEMM", re.compile(r"grouped|GroupProblemShape", re.I)),  # torch._grouped_mm: cutlass GroupProblemShape
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|wgmma", re.I)),
+    # MoE routing: the router's top-k and the sorts of the token permutation (megatron's permute is an argsort
+    # and index_select/scatter of the routed rows)
+    ("router (top-k, sort)", re.compile(r"topk|sort|bitonic|radix", re.I)),
+    ("permutation (gather, scatter, index)", re.compile(r"index|scatter|gather", re.I)),
     ("optimizer (Adam)", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("compiled elementwise (triton)", re.compile(r"^triton_")),  # e.g. triton_red_fused__to_copy_...: not a copy
     ("copies and fills", re.compile(r"memcpy|memset|copy|fill", re.I)),

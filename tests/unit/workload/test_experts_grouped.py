@@ -268,3 +268,28 @@ def test_compiled_elementwise_matches_eager(megatron_single_rank: None, gated: b
     assert fused.elementwise.mode == "compile"  # it did compile (no silent fallback to eager)
     bf16_close("fc1 grad", eager.weight1.grad.float(), fused.weight1.grad.float())
     bf16_close("fc2 grad", eager.weight2.grad.float(), fused.weight2.grad.float())
+
+
+def test_clamped_swiglu_backward_matches_autograd() -> None:
+    """The hand-written backward of Step-3.5-Flash's clamped SwiGLU (what the compiled path runs on the GPU)
+    against autograd of its forward, fp32, with activations on both sides of the limit."""
+    limit = 0.5
+    elementwise = experts_grouped.Elementwise(True, "eager", limit)
+    torch.manual_seed(0)
+    fc1 = (torch.randn(64, 2 * FFN) * 2).requires_grad_()
+    probs = torch.rand(64).requires_grad_()
+    grad = torch.randn(64, FFN)
+    out = elementwise.forward_fn(fc1, probs)
+    gate, up = fc1.detach().chunk(2, dim=-1)
+    assert (F.silu(gate) > limit).any() and (up.abs() > limit).any()  # the clamps bind somewhere
+    want_fc1, want_probs = torch.autograd.grad(out, (fc1, probs), grad)
+    got_fc1, got_probs, again = elementwise.backward_fn(fc1.detach(), probs.detach(), grad)
+    torch.testing.assert_close(got_fc1, want_fc1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_probs, want_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(again, out.detach(), rtol=1e-6, atol=1e-7)
+    unclamped = experts_grouped.Elementwise(True, "eager").forward_fn(fc1.detach(), probs.detach())
+    assert (unclamped - out.detach()).abs().max() > 0.1  # the limit is applied
+    with pytest.raises(ValueError, match="needs a gated"):
+        experts_grouped.Elementwise(False, "eager", limit)
+    assert experts_grouped.with_swiglu_limit(7.0).swiglu_limit == 7.0
+    assert experts_grouped.with_swiglu_limit(None) is experts_grouped.experts_class()
