@@ -14,7 +14,7 @@
 # STATE:  a new private directory (0700): the sshd tree, its host key, our client key, known_hosts, the inventory.
 #
 # What it sets up, as the provisioning roles would on a node:
-# - /opt/stepdeploy/venv: a venv on the machine's own Python (torch is there) with megatron-core (python_env role);
+# - /opt/stepdeploy/venv: the machine's own Python venv (torch is there), with megatron-core (python_env role);
 # - /var/lib/stepdeploy/runs, the rendered runs' remote directory, as a link to /dev/shm/stepdeploy-runs: the
 #   box's 64 GB disk writes ~1.5 GB/s (FACTS) and would hold one checkpoint of the 3.4B-parameter slice (48 GB with
 #   its optimizer state) at most; in memory a save takes seconds (the runs record where their checkpoints were);
@@ -31,10 +31,10 @@ if [ -z "${SSHD_ONLY:-}" ]; then
 # controller: stepdeploy's dependencies (the repository itself is the package: PYTHONPATH)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$state/site" \
     "$wheels"/*.whl
-# node: the python_env role's venv
-if [ ! -x /opt/stepdeploy/venv/bin/python ]; then
-    python3 -m venv --system-site-packages /opt/stepdeploy/venv
-fi
+# node: the python_env role's venv is the machine's own one (it holds torch; a --system-site-packages venv on top of
+# it would see the base interpreter's packages, not torch)
+mkdir -p /opt/stepdeploy
+[ -e /opt/stepdeploy/venv ] || ln -s "$(python3 -c 'import sys; print(sys.prefix)')" /opt/stepdeploy/venv
 /opt/stepdeploy/venv/bin/python -m pip install -q --no-index --no-deps --no-cache-dir "$wheels"/megatron_core-*.whl
 mkdir -p /dev/shm/stepdeploy-runs /var/lib/stepdeploy
 [ -e /var/lib/stepdeploy/runs ] || ln -s /dev/shm/stepdeploy-runs /var/lib/stepdeploy/runs
@@ -45,8 +45,21 @@ for deb in "$debs"/*.deb; do dpkg -x "$deb" "$state/root"; done
 libs="$state/root/usr/lib/x86_64-linux-gnu:$state/root/lib/x86_64-linux-gnu"
 id sshd >/dev/null 2>&1 || useradd --system --no-create-home --home-dir /run/sshd --shell /usr/sbin/nologin sshd
 mkdir -p /run/sshd && chmod 755 /run/sshd
-ssh-keygen -q -t ed25519 -N "" -f "$state/host_key"
-ssh-keygen -q -t ed25519 -N "" -f "$state/client_key"
+# ed25519 keys in OpenSSH format (the box has no ssh-keygen: the python cryptography package writes them)
+PYTHONPATH=$state/site${PYTHONPATH:+:$PYTHONPATH} "${PYTHON:-python3}" - "$state" <<'PY'
+import os, sys
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+for name in ("host_key", "client_key"):
+    key = Ed25519PrivateKey.generate()
+    path = os.path.join(sys.argv[1], name)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                  serialization.NoEncryption()))
+    with open(path + ".pub", "wb") as f:
+        f.write(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+                + b" " + name.encode() + b"\n")
+PY
 mkdir -p /root/.ssh && chmod 700 /root/.ssh
 grep -qxF "$(cat "$state/client_key.pub")" /root/.ssh/authorized_keys 2>/dev/null || cat "$state/client_key.pub" >> /root/.ssh/authorized_keys; chmod 600 /root/.ssh/authorized_keys
 cat > "$state/sshd_config" <<EOF

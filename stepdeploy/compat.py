@@ -158,6 +158,20 @@ def _gpu_rules(profile: StackProfile, facts: HostFacts, sm: str, family: str) ->
     return out
 
 
+def model_conflicts(profile: StackProfile, *, sliding_window: bool, per_layer: bool, where: str) -> list[Conflict]:
+    """What `profile` lacks for the megatron engine to run a model with these features (engine_features)."""
+    rules, out = matrix()["engine_features"], []
+    torch, need = _v(profile.torch), rules["sliding_window"]["torch"]
+    if sliding_window and torch and Version(torch.base_version) < Version(need):
+        out.append(Conflict(where, "PyTorch", profile.torch or "", f">= {need} for sliding-window attention",
+                            rules["sliding_window"]["source"]))
+    mc, need = _v(profile.megatron_core), rules["per_layer_specs"]["megatron_core"]
+    if per_layer and mc and mc < Version(need):
+        out.append(Conflict(where, "megatron-core", profile.megatron_core or "",
+                            f">= {need} for per-layer attention, gates and MTP", rules["per_layer_specs"]["source"]))
+    return out
+
+
 def verdict(profile: StackProfile, hosts: Iterable[HostFacts],
             profiles: Mapping[str, StackProfile] | None = None) -> Verdict:
     """Check every host; on conflict, list the shipped profiles that pass on all of them."""

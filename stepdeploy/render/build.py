@@ -27,6 +27,7 @@ from stepdeploy.plan.search import judge, search
 from stepdeploy.render.facts import facts_for
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.run import RenderedRun, load_workload_sources, render_run
+from stepdeploy.render.workload import megatron_runs
 
 
 def engine_layout(layout: Layout) -> Layout:
@@ -57,10 +58,10 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
                            hint=f"stepdeploy plan -m {spec.name} -i INVENTORY")
     else:
         result = search(spec, shape, hardware, seq, gbs)
-        # The megatron engine runs megatron-core without TransformerEngine (no CP, no sequence parallelism)
-        # and one model chunk per stage (no VPP yet).
+        # The megatron engine runs megatron-core without TransformerEngine (no CP, no sequence parallelism),
+        # one model chunk per stage (no VPP yet), and clamped experts only as grouped GEMMs.
         runnable = [judge(params, job, engine_layout(v.layout), shape, hardware)
-                    for v in result.fitting if v.layout.cp == 1 and v.layout.vpp == 1]
+                    for v in result.fitting if megatron_runs(v.layout, spec)]
         runnable = sorted((v for v in runnable if v.fits), key=lambda v: -v.time.tokens_per_second)
         if not runnable:
             raise StepdeployError(f"no layout of {spec.name} that the megatron engine runs fits on "

@@ -24,7 +24,7 @@ from stepdeploy.plan.layout import Layout
 from stepdeploy.render import sbatch, templating
 from stepdeploy.render.environment import NodeFacts, node_environment
 from stepdeploy.render.options import RenderOptions
-from stepdeploy.render.workload import check_engine, choose_engine, workload_config
+from stepdeploy.render.workload import check_engine, check_stack, choose_engine, workload_config
 
 WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatron_ckpt.py", "experts_grouped.py",
                     "attention.py", "layers.py", "traces.py", "ckpt.py", "metrics.py")
@@ -98,6 +98,7 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
     gpus = cluster.nodes[0].gpus_per_node or 0
     engine = choose_engine(opts, gpus)
     check_engine(engine, layout, spec, gpus)
+    check_stack(cluster.profile, spec, engine)
     world = nproc * len(cluster.nodes)
     workload = workload_config(spec, layout, opts, engine=engine, world=world, peak_tflops=peak_tflops)
     placements = tuple(Placement(node, rank, node_dir(rank, node.name)) for rank, node in enumerate(cluster.nodes))

@@ -8,18 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepdeploy import compat
 from stepdeploy.catalog import LayerShape, ModelSpec
 from stepdeploy.errors import BadInput
 from stepdeploy.plan.flops import model_flops_per_token
 from stepdeploy.plan.layout import Layout
 from stepdeploy.plan.params import count_parameters
 from stepdeploy.render.options import DEFAULT_LR, RenderOptions
+from stepdeploy.stack import StackProfile, load_profiles
 
 MODEL_FIELDS_DROPPED = ("description", "sources", "training")
 
 
 def choose_engine(opts: RenderOptions, gpus_per_node: int) -> str:
     return opts.engine or ("megatron" if gpus_per_node else "torch")
+
+
+def megatron_runs(layout: Layout, spec: ModelSpec) -> bool:
+    """Whether the megatron engine runs this layout of this model (what check_engine would not refuse): one model
+    chunk per stage, no context parallelism, and grouped experts where the model clamps its routed experts."""
+    return layout.vpp == 1 and layout.cp == 1 and (layout.grouped_experts or not spec.swiglu_limits)
 
 
 def check_engine(engine: str, layout: Layout, spec: ModelSpec, gpus_per_node: int) -> None:
@@ -46,6 +54,23 @@ def check_engine(engine: str, layout: Layout, spec: ModelSpec, gpus_per_node: in
     if engine == "megatron" and spec.swiglu_limits and not layout.grouped_experts:
         raise BadInput(f"{spec.name}: its clamped experts need the engine's grouped experts (torch._grouped_mm), "
                        "which this layout does not use", hint="choose a layout with etp=1")
+
+
+def check_stack(profile: StackProfile | None, spec: ModelSpec, engine: str) -> None:
+    """Refuse a profile that cannot run the model's features in the megatron engine (the compat matrix's
+    engine_features), naming the shipped profiles that can."""
+    if engine != "megatron" or profile is None:
+        return
+    features = {"sliding_window": spec.sliding_window is not None,
+                "per_layer": not spec.uniform_attention or spec.mtp_num_layers > 0}
+    conflicts = compat.model_conflicts(profile, **features, where=spec.name)
+    if conflicts:
+        good = [name for name, p in load_profiles().items() if p.cuda and not compat.model_conflicts(p, **features,
+                                                                                                        where="")]
+        first = conflicts[0]
+        raise BadInput(f"profile {profile.name} cannot run {spec.name}: {first.component} {first.found}, needs "
+                       f"{first.required} ({' '.join(first.source.split())})",
+                       hint=f"name a profile that can (stepdeploy_profile): {', '.join(good) or 'none shipped'}")
 
 
 def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, engine: str, world: int,

@@ -78,3 +78,48 @@ def test_links_and_fabrics() -> None:
     }
     with pytest.raises(BadInput, match="known: "):
         link("ib-800g")
+
+
+def test_step_35_flash_rope_norms_router_and_clamps_follow_its_config() -> None:
+    spec = load_model("step-3.5-flash")
+    full, sliding = spec.layer(0), spec.layer(1)
+    assert (full.rope.theta, full.rope.rotary_percent) == (5e6, 0.5)  # rope_theta / partial_rotary_factors
+    assert full.rope.llama3_scaling is not None and full.rope.llama3_scaling.factor == 2.0  # yarn_only_types
+    assert (sliding.rope.theta, sliding.rope.rotary_percent, sliding.rope.llama3_scaling) == (1e4, 1.0, None)
+    mtp = spec.mtp_layer(2)
+    assert (mtp.index, mtp.attention, mtp.ffn, mtp.num_heads, mtp.rope.theta) == (47, "sliding", "dense", 96, 1e4)
+    assert spec.norm_zero_centered and not spec.uniform_attention
+    assert [(i, spec.layer(i).swiglu_limit, spec.layer(i).shared_swiglu_limit) for i in (42, 43, 44)] == [
+        (42, None, None), (43, 7.0, None), (44, 7.0, 16.0)]
+    assert spec.moe is not None and spec.moe.load_balancing == "expert_bias" and spec.moe.router_fp32
+    assert load_model("proxy-0.7b-moe").uniform_attention  # the proxies keep megatron's stock layers
+
+
+@pytest.mark.parametrize("name", ["step-3.5-flash-slice-1gpu", "step-3.5-flash-slice-ep2"])
+def test_the_slices_keep_every_width_and_setting_of_the_target(name: str) -> None:
+    target, cut = load_model("step-3.5-flash").model_dump(), load_model(name).model_dump()
+    kept = ("hidden_size", "num_attention_heads", "sliding_num_attention_heads", "num_query_groups", "kv_channels",
+            "sliding_window", "full_attention_every", "ffn_hidden_size", "vocab_size", "rope", "sliding_rope",
+            "norm_zero_centered", "qk_layernorm", "attention_gate", "gated_linear_unit", "mtp_attention", "mtp_ffn")
+    assert {k: cut[k] for k in kept} == {k: target[k] for k in kept}
+    moe_kept = ("topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "score_function", "router_scaling_factor",
+                "router_expert_bias", "router_fp32", "load_balancing", "bias_update_rate")
+    assert {k: cut["moe"][k] for k in moe_kept} == {k: target["moe"][k] for k in moe_kept}
+    spec = load_model(name)
+    kinds = [(layer.attention, layer.ffn, layer.num_heads) for layer in spec.layers()]
+    assert kinds == [("full", "dense", 64)] + [("sliding", "moe", 96)] * 3  # 1:3, one dense lead layer
+    assert spec.mtp_num_layers == 1 and spec.training.seq_length == 4096
+    # the target's clamped last two MoE layers map to the slice's last two
+    assert (spec.swiglu_limits, spec.swiglu_limits_shared) == ({2: 7.0, 3: 7.0}, {3: 16.0})
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"swiglu_limits": {99: 7.0}}, "swiglu_limits: layer 99"),
+    ({"swiglu_limits": {3: -1.0}}, "swiglu_limits: layer 3"),
+    ({"moe": {"num_experts": 8, "topk": 2, "ffn_hidden_size": 64, "load_balancing": "expert_bias"}},
+     "expert_bias needs router_expert_bias"),
+])
+def test_bad_step_settings_are_one_line_naming_the_field(change: dict, message: str) -> None:
+    data = load_model("step-3.5-flash-slice-1gpu").model_dump() | change
+    with pytest.raises(BadInput, match=message):
+        parse_model(data, origin="bad.yaml")

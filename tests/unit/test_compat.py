@@ -91,3 +91,15 @@ def test_gpu_node_with_a_cpu_profile_is_refused() -> None:
 def test_facts_from_nvidia_smi_csv() -> None:
     facts = facts_from_nvidia_smi("n", "x86_64", "NVIDIA H200, 9.0\nNVIDIA H200, 9.0\n")
     assert facts.gpus == (Gpu("NVIDIA H200", "9.0"), Gpu("NVIDIA H200", "9.0"))
+
+
+def test_sliding_windows_need_a_torch_with_flex_attention() -> None:
+    from stepdeploy.compat import model_conflicts
+
+    old = _profile(torch="2.3.1")
+    found = model_conflicts(old, sliding_window=True, per_layer=False, where="m")
+    assert [(c.component, c.found, c.required) for c in found] == [
+        ("PyTorch", "2.3.1", ">= 2.5 for sliding-window attention")]
+    assert not model_conflicts(old, sliding_window=False, per_layer=False, where="m")
+    assert not model_conflicts(_profile(torch="2.11.0+cu130"), sliding_window=True, per_layer=True, where="m")
+    assert model_conflicts(_profile(megatron_core="0.8.0"), sliding_window=False, per_layer=True, where="m")

@@ -152,3 +152,36 @@ def test_follow_looks_at_a_requested_stop_before_the_monitors_and_the_exit() -> 
     finished = RunStatus((NodeStatus("node1", "exited", 0),))
     assert follow(_Polls(finished), Live(), deadline=time.time() + 60, interval=0.01, should_stop=lambda: False,
                   on_tick=lambda _live: None)[1] == "exited"
+
+
+def test_a_rung_that_changes_the_model_is_judged_by_mfu_against_its_plan() -> None:
+    t = gates.Thresholds(min_mfu_vs_plan=0.7)
+    ok = gates.mfu_matches_plan(0.519, 0.513, t)
+    assert ok.passed and ok.gate == "mfu_vs_plan" and ok.measured == 1.012
+    low = gates.mfu_matches_plan(0.30, 0.513, t)
+    assert not low.passed and "(< 0.7)" in low.reason
+    assert gates.mfu_matches_plan(None, 0.5, t).passed  # CPU run: not judged, and says so
+    metrics = [{"mfu": 0.05}, {"mfu": 0.52}, {"mfu": 0.50}, {"mfu": 0.53}]  # the first step is warm-up
+    assert gates.steady_mfu(metrics) == 0.52
+
+
+def test_scale_gates_compare_rungs_of_the_same_model_only() -> None:
+    """An MoE target after a dense proxy on one GPU failed "efficiency 0.55 < 0.7" before: two models' per-GPU
+    throughputs say nothing about scaling. Now the target rung is judged by its MFU against its plan."""
+    from types import SimpleNamespace
+
+    from stepdeploy.rollout.ladder import Rung
+    from stepdeploy.rollout.runner import Rollout
+
+    fake = SimpleNamespace(config=SimpleNamespace(thresholds=gates.Thresholds()))
+    metrics = [{"iteration": i + 1, "loss": 5.0 - 0.1 * i, "tokens_per_s": 1000.0, "mfu": 0.5, "mem_peak_gib": 10.0}
+               for i in range(8)]
+    plan = {"predicted_mfu": 0.5, "predicted_torch_allocated_gib": 10.0}
+    target = Rollout._scale_gates(fake, Rung("target-all-nodes", "big-moe", 1, 1), metrics, plan, ("proxy", 5000.0))
+    assert [v.gate for v in target] == ["loss_falling", "mfu_vs_plan", "memory_vs_plan"]
+    assert all(v.passed for v in target)
+    proxy = Rollout._scale_gates(fake, Rung("proxy-1-node", "proxy", 1, 1), metrics, plan, ("proxy", 5000.0))
+    scaling = next(v for v in proxy if v.gate == "scaling_efficiency")
+    assert not scaling.passed and scaling.measured == 0.2  # the same model: a real scaling verdict
+    first = Rollout._scale_gates(fake, Rung("proxy-1-gpu", "proxy", 1, 1), metrics, plan, None)
+    assert next(v for v in first if v.gate == "scaling_efficiency").reason == "first rung: the baseline"

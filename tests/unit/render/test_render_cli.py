@@ -110,3 +110,41 @@ def test_learning_rate_is_the_models_unless_given(tmp_path: Path) -> None:
     assert isinstance(refused.exception, BadInput) and "learning rate" in refused.exception.message
     assert refused.exception.exit_code == 2
     assert not (tmp_path / "bad").exists()
+
+
+H200_NODES_INI = """[gpu]
+{hosts}
+
+[gpu:vars]
+stepdeploy_gpus_per_node=8
+stepdeploy_gpu_model=H200
+stepdeploy_fabric=infiniband
+stepdeploy_profile={profile}
+"""
+
+
+def _nodes(count: int, profile: str = "hopper-cu130") -> str:
+    hosts = "\n".join(f"h{i} ansible_host=192.0.2.{i + 1}" for i in range(count))
+    return H200_NODES_INI.format(hosts=hosts, profile=profile)
+
+
+def test_step_35_flash_renders_where_it_fits_with_every_layer_described(tmp_path: Path) -> None:
+    """Once refused ("per-head attention gates and sliding windows are not in stock megatron-core")."""
+    out = tmp_path / "s35"
+    res = run(tmp_path, _nodes(4), "-m", "step-3.5-flash", "--out", str(out), "--no-nvls")
+    assert res.exit_code == 0, res.output
+    workload = json.loads((out / "workload.json").read_text())
+    layers, mtp = workload["model"]["layers"], workload["model"]["mtp_layers"]
+    assert len(layers) == 45 and len(mtp) == 3 and not workload["model"]["uniform_attention"]
+    assert [(x["attention"], x["num_heads"], x["window"]) for x in layers[:2]] == [("full", 64, None),
+                                                                                 ("sliding", 96, 512)]
+    assert (layers[44]["swiglu_limit"], layers[44]["shared_swiglu_limit"]) == (7.0, 16.0)
+    assert workload["parallel"]["experts"] == "grouped_mm"  # clamped experts run only as grouped GEMMs
+    assert workload["parallel"]["vpp"] == 1 and workload["parallel"]["cp"] == 1
+
+
+def test_a_profile_without_flex_attention_is_refused_for_sliding_windows(tmp_path: Path) -> None:
+    res = run(tmp_path, _nodes(1, "seed-2024"), "-m", "step-3.5-flash-slice-1gpu", "--out", str(tmp_path / "x"))
+    assert isinstance(res.exception, BadInput), res.output
+    assert "PyTorch 2.3.1, needs >= 2.5 for sliding-window attention" in res.exception.message
+    assert "hopper-cu130" in (res.exception.hint or "") and not (tmp_path / "x").exists()

@@ -202,10 +202,35 @@ def main() -> None:
 
     # the router bias update: one training step through megatron's DDP and finalize_model_grads
     bias_before, bias_after, loads = router_bias_step(gpt, config, tokens, positions)
-    print(json.dumps({
+    print(json.dumps({"catalog_params": catalog_parameter_counts(),
         "cases": cases, "model_loss": relative(losses, expected), "params": sum(p.numel() for p in gpt.parameters()),
         "planner_params": count_parameters(spec).total, "bias_before": bias_before, "bias_after": bias_after,
         "loads": loads, "bias_update_rate": model["moe"]["bias_update_rate"]}))
+
+
+def catalog_parameter_counts() -> dict[str, list[int]]:
+    """The engine's model of both slices and of the full Step-3.5-Flash, built as the engine builds them (bf16,
+    weights allocated but not initialised: torch.empty touches no memory) -> [built, planner's count]."""
+    import engine_megatron as em
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from stepdeploy.catalog import load_model
+    from stepdeploy.plan.layout import Layout
+    from stepdeploy.plan.params import count_parameters
+    from stepdeploy.render.options import RenderOptions
+    from stepdeploy.render.workload import workload_config
+
+    counts = {}
+    for name in ("step-3.5-flash-slice-1gpu", "step-3.5-flash-slice-ep2", "step-3.5-flash"):
+        spec = load_model(name)
+        cfg = workload_config(spec, Layout(), RenderOptions(run_id="t", seq_length=64, global_batch_size=1),
+                              engine="megatron", world=1, peak_tflops=790.0)
+        kwargs = em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True, "perform_initialization": False,
+                                                       "moe_token_dispatcher_type": "allgather"}
+        model = em.build_model(cfg, TransformerConfig(**kwargs))
+        counts[name] = [sum(p.numel() for p in model.parameters()), count_parameters(spec).total]
+        del model
+    return counts
 
 
 def router_bias_step(gpt: Any, config: Any, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, Any, Any]:

@@ -61,6 +61,31 @@ def test_the_whole_main_model_matches_and_has_the_planners_parameters(result: di
     assert result["params"] == result["planner_params"]
 
 
+def test_the_slices_and_the_full_model_built_by_the_engine_have_the_planners_parameters(result: dict) -> None:
+    counts = result["catalog_params"]
+    assert counts["step-3.5-flash"] == [197_800_415_232, 197_800_415_232]  # the HF checkpoint's unique weights
+    for name in ("step-3.5-flash-slice-1gpu", "step-3.5-flash-slice-ep2"):
+        built, planned = counts[name]
+        assert built == planned, name
+    assert counts["step-3.5-flash-slice-1gpu"][0] == 3_437_421_824
+
+
+def test_expert_parallel_2_on_two_ranks_matches_the_reference_with_every_expert(tmp_path: Path) -> None:
+    """As step-3.5-flash-slice-ep2 runs on two GPUs: two experts of four per rank, all-to-all routing across
+    the ranks (megatron's allgather dispatcher here), the same loss as the reference with all four experts."""
+    script = Path(__file__).with_name("megatron_cpu_step35_ep2.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ep2.json")], capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["local_experts"] == [2, 2, 2], r  # 4 experts over EP 2, in each of the 3 MoE layers
+        assert r["loss_vs_reference"] < AGREE, r
+        assert r["bias_rank0"] == r["bias_rank1"], r  # the loads are all-reduced: one bias on every rank
+        assert r["bias_moved"] == pytest.approx(1e-3, rel=1e-4), r
+
+
 def test_the_router_bias_moves_towards_balance_after_a_step(result: dict) -> None:
     before, after, loads = result["bias_before"], result["bias_after"], result["loads"]
     mean = sum(loads) / len(loads)
