@@ -7,6 +7,7 @@ import sys
 import typer
 
 from stepdeploy import __version__
+from stepdeploy.cli import data as data_cmd
 from stepdeploy.cli import demo as demo_cmd
 from stepdeploy.cli import inventory as inventory_cmd
 from stepdeploy.cli import plan as plan_cmd
@@ -55,6 +56,7 @@ app.add_typer(sim_cmd.app, name="sim")
 app.add_typer(inventory_cmd.app, name="inventory")
 app.add_typer(rollout_cmd.app, name="rollout")
 app.add_typer(run_cmd.app, name="run")
+app.add_typer(data_cmd.app, name="data")
 app.command("provision", epilog="Example: stepdeploy provision inventory/dgx.ini --check")(
     provision_cmd.provision
 )

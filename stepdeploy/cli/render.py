@@ -40,6 +40,8 @@ def render(
     facts_dir: Path | None = typer.Option(
         None, "--facts-dir", help="NCCL facts `stepdeploy provision` saved, one NODE.json per node (default: "
         ".stepdeploy/facts next to the inventory, used when it exists)."),
+    data: Path | None = typer.Option(None, "--data", help="A dataset `stepdeploy data prepare` wrote (its prefix): "
+                                     "shipped in the run directory (default: synthetic tokens)."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be written; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON to stdout."),
 ) -> None:
@@ -49,7 +51,7 @@ def render(
         stage=stage, engine=engine, iterations=iterations, seq_length=seq, global_batch_size=gbs,
         nproc_per_node=nproc, pg_timeout_s=pg_timeout, save_interval=save_interval, lr=lr,
         seed_options=tuple(seed_option), extra_env=parse_env(env), disable_nvls=no_nvls,
-        remote_dir=remote_dir, python=python)
+        remote_dir=remote_dir, python=python, data=str(data) if data else None)
     rendered = build(inventory, model, layout, opts, facts_dir)
     for note in rendered.notes:
         err.print(f"note: {note}", markup=False, soft_wrap=True)

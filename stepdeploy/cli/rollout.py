@@ -12,6 +12,7 @@ import typer
 from rich.live import Live as RichLive
 from rich.table import Table
 
+from stepdeploy import corpus
 from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory import load_cluster
@@ -62,6 +63,8 @@ def run_cmd(
     monitor_interval: str = typer.Option("5s", "--monitor-interval", help="Soak: how often the monitors read "
                                          "every node."),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="Soak: restarts from checkpoint allowed."),
+    data: Path | None = typer.Option(None, "--data", help="A dataset `stepdeploy data prepare` wrote (its prefix); "
+                                     "default: synthetic tokens."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print every stage, rung and gate; start nothing."),
 ) -> None:
     """Start a rollout. Exit 0 all stages passed, 1 a gate failed (resume with `rollout resume RUN`)."""
@@ -72,9 +75,12 @@ def run_cmd(
                            executor=executor, inject=tuple(inject),
                            heartbeat_timeout_s=parse_duration(heartbeat_timeout),
                            monitor_interval_s=parse_duration(monitor_interval), soak_max_restarts=max_restarts,
+                           data=str(data.resolve()) if data else None,
                            thresholds=gates.Thresholds(min_scaling_efficiency=min_scaling_efficiency,
                                                        max_step_time_s=max_step_time))
     parse_injections(config.inject)  # a bad --inject exits 2 before anything starts
+    if data is not None:
+        corpus.load(data)  # a missing or changed dataset exits 2 before anything starts
     if config.heartbeat_timeout_s <= 0 or config.monitor_interval_s <= 0:
         raise BadInput("--heartbeat-timeout and --monitor-interval must be longer than 0 s")
     if executor not in (None, "fabric", "slurm"):

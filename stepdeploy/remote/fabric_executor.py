@@ -217,8 +217,8 @@ class FabricExecutor:
         def one(target: Target) -> NodeResult:
             remote = f"/tmp/stepdeploy-fetch-{self.run_id}-{target.node_dir.rsplit('/', 1)[-1]}.tar.gz"
             res = self._sh(target, f"cd -- {q(self.run_dir)} && tar -czf {q(remote)} --ignore-failed-read "
-                                   f"out/metrics.jsonl out/status out/heartbeat logs {q(target.node_dir)} 2>/dev/null;"
-                                   f" test -s {q(remote)}")
+                                   "out/metrics.jsonl out/phases.jsonl out/status out/heartbeat logs "
+                                   f"{q(target.node_dir)} 2>/dev/null; test -s {q(remote)}")
             if not res.ok:
                 return NodeResult(target.name, False, "nothing to fetch")
             buffer = io.BytesIO()

@@ -15,8 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stepdeploy import __version__
+from stepdeploy import __version__, corpus
 from stepdeploy.catalog import ModelSpec, load_hardware, load_model
+from stepdeploy.corpus import ShippedDataset
 from stepdeploy.errors import BadInput, StepdeployError
 from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
@@ -93,7 +94,7 @@ def write_run(rendered: RenderedRun, out_dir: Path) -> None:
         for item in rendered.files:
             path = tmp / item.path
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(item.text)
+            path.write_bytes(item.content)
             path.chmod(0o755 if item.executable else 0o644)
         if out_dir.exists():
             out_dir.rmdir()
@@ -123,4 +124,10 @@ def build(inventory: str, model: str, layout: str | None, opts: RenderOptions,
               "layout": {"given": layout, **summary}}
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return render_run(cluster, spec, chosen, opts, inputs=inputs, created=created, version=__version__,
-                      workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak)
+                      workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak,
+                      dataset=shipped_dataset(opts))
+
+
+def shipped_dataset(opts: RenderOptions) -> ShippedDataset | None:
+    """The prepared dataset `--data` names, checked and read (None: synthetic tokens)."""
+    return ShippedDataset.read(corpus.load(Path(opts.data))) if opts.data else None

@@ -69,6 +69,9 @@ class RenderOptions:
     peak_tflops: float | None = None  # for MFU; None: the catalog's measured or derated peak
     threads_per_rank: int | None = None  # OMP_NUM_THREADS on CPU nodes
     executor: str | None = None  # fabric | slurm (adds sbatch.sh); None: the inventory's, else fabric
+    data: str | None = None  # a dataset `stepdeploy data prepare` wrote (local prefix); None: synthetic tokens
+    warmup_iterations: int | None = None  # None: a tenth of the iterations
+    decay_iterations: int | None = None  # the cosine decay's end (None: the iterations)
 
     def __post_init__(self) -> None:
         if not RUN_ID.match(self.run_id):

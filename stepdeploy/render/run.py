@@ -7,6 +7,7 @@ Layout of a run directory (the same locally and on every node):
     workload/*.py            the workload program (shipped as files; standard library + torch only)
     nodes/<rank>-<name>/launch.sh, env.sh   one directory per node, started on that node only
     sbatch.sh                (slurm executor only) the batch script: one srun task per node (or per GPU)
+    data/corpus.bin, .idx    (with --data) the prepared dataset, megatron-core's indexed format
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from importlib import resources
 from typing import Any
 
 from stepdeploy.catalog import ModelSpec
+from stepdeploy.corpus import Corpus, ShippedDataset
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster, Node
 from stepdeploy.plan.layout import Layout
@@ -26,8 +28,10 @@ from stepdeploy.render.environment import NodeFacts, node_environment
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, check_stack, choose_engine, workload_config
 
+DATASET_PATH = "data/corpus"  # where a run directory holds its prepared dataset (.bin, .idx)
 WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatron_ckpt.py", "experts_grouped.py",
-                    "attention.py", "layers.py", "traces.py", "ckpt.py", "metrics.py")
+                    "attention.py", "layers.py", "moe_stats.py", "schedule.py", "synthetic.py", "data.py",
+                    "indexed.py", "traces.py", "ckpt.py", "metrics.py")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -38,10 +42,15 @@ class RenderedFile:
     template: str | None = None  # None: copied (workload code), or generated (manifest)
     executable: bool = False
     node: str | None = None
+    blob: bytes | None = None  # a binary file (a prepared dataset), instead of text
+
+    @property
+    def content(self) -> bytes:
+        return self.blob if self.blob is not None else self.text.encode()
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()
+        return hashlib.sha256(self.content).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -92,8 +101,10 @@ def _nproc(cluster: Cluster, opts: RenderOptions) -> int:
 
 def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOptions, *,
                inputs: dict[str, Any], created: str, version: str, workload_sources: dict[str, str],
-               facts: dict[str, NodeFacts] | None = None, peak_tflops: float | None = None) -> RenderedRun:
-    """Every file of the run directory, as text. `inputs` and `created` go into the manifest verbatim."""
+               facts: dict[str, NodeFacts] | None = None, peak_tflops: float | None = None,
+               dataset: ShippedDataset | None = None) -> RenderedRun:
+    """Every file of the run directory, as text (a dataset's files as bytes). `inputs` and `created` go into the
+    manifest verbatim."""
     nproc = _nproc(cluster, opts)
     gpus = cluster.nodes[0].gpus_per_node or 0
     engine = choose_engine(opts, gpus)
@@ -101,10 +112,16 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
     check_stack(cluster.profile, spec, engine)
     world = nproc * len(cluster.nodes)
     workload = workload_config(spec, layout, opts, engine=engine, world=world, peak_tflops=peak_tflops)
+    data_files: list[RenderedFile] = []
+    if dataset is not None:
+        check_dataset(dataset.corpus, spec)
+        workload["data"] = dataset.corpus.workload_entry(DATASET_PATH)
+        data_files = [RenderedFile(f"{DATASET_PATH}{suffix}", "", blob=blob) for suffix, blob in dataset.blobs.items()]
     placements = tuple(Placement(node, rank, node_dir(rank, node.name)) for rank, node in enumerate(cluster.nodes))
     files = [RenderedFile("workload.json", templating.render("workload.json.j2", workload=workload),
                           "workload.json.j2")]
     files += [RenderedFile(f"workload/{name}", text) for name, text in sorted(workload_sources.items())]
+    files += data_files
     notes: list[str] = []
     common = {"version": version, "run_id": opts.run_id, "run_dir": opts.run_dir, "nnodes": len(cluster.nodes),
               "nproc_per_node": nproc, "python": opts.python, "rendezvous": opts.rendezvous,
@@ -150,11 +167,22 @@ def _manifest(opts: RenderOptions, inputs: dict[str, Any], created: str, version
         "inputs": inputs,
         "nodes": [{"name": p.node.name, "address": p.node.address, "node_rank": p.node_rank, "dir": p.node_dir,
                    **_facts_entry(facts.get(p.node.name))} for p in placements],
-        "files": [{"path": f.path, "sha256": f.sha256, "from": f"templates/{f.template}" if f.template
-                   else "stepdeploy/workload", "template_sha256": templating.template_sha256(f.template)
-                   if f.template else None, "node": f.node} for f in files],
+        "files": [{"path": f.path, "sha256": f.sha256, "from": _origin(f), "template_sha256":
+                   templating.template_sha256(f.template) if f.template else None, "node": f.node} for f in files],
         "notes": notes,
     }
+
+
+def _origin(item: RenderedFile) -> str:
+    if item.template:
+        return f"templates/{item.template}"
+    return "stepdeploy data prepare" if item.blob is not None else "stepdeploy/workload"
+
+
+def check_dataset(dataset: Corpus, spec: ModelSpec) -> None:
+    if dataset.vocab > spec.vocab_size:
+        raise BadInput(f"{dataset.prefix}: its tokenizer has {dataset.vocab} ids, more than {spec.name}'s vocabulary "
+                       f"of {spec.vocab_size}")
 
 
 def _facts_entry(facts: NodeFacts | None) -> dict[str, Any]:

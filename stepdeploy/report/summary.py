@@ -18,7 +18,11 @@ from stepdeploy.ledger import Ledger, Stage
 # The workload's metric keys (stepdeploy/workload/metrics.py METRIC_KEYS, which cannot be imported here:
 # it is shipped to the nodes as a loose file) that the report reads back from the ledger.
 METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
-                "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu")
+                "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu",
+                "moe_load_max", "moe_dropped", "router_bias_absmax")
+# per-layer metrics of MoE models ({layer: value} in a metrics line): ledger rows named "<name>/<layer>"; the MTP
+# losses ([one per MTP layer]): "mtp_loss/<k>" (k from 1)
+LAYER_METRICS = ("moe_load", "router_bias")
 # Informational kinds the ledger and the rollout controller write; anything else (failure, restart, fault
 # injection, monitor breaches) counts as a fault/notice.
 LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate", "warmup", "config", "stop")

@@ -19,7 +19,8 @@ from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.remote.executor import RunStatus
 from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_run
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
-from stepdeploy.render.build import choose_layout, write_run
+from stepdeploy.render.build import choose_layout, shipped_dataset, write_run
+from stepdeploy.report.summary import LAYER_METRICS
 from stepdeploy.rollout.ladder import Rung, sub_cluster
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ def render_attempt(cluster: Cluster, rung: Rung, opts: RenderOptions, layout: st
 
     facts = facts_for(cluster.source, [node.name for node in sub.nodes])
     rendered = render_run(sub, spec, chosen, opts, inputs=inputs, created=created, version=__version__,
-                          workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak)
+                          workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak,
+                          dataset=shipped_dataset(opts))
     write_run(rendered, dest)
     return {**summary, "layout": chosen.short()}
 
@@ -136,4 +138,12 @@ def metric_rows(metrics: list[dict[str, Any]], names: tuple[str, ...]) -> list[t
         per_rank = m.get("rank_step_time_s")
         if isinstance(per_rank, list):
             rows += [(ts, r, it, "rank_step_time_s", float(v)) for r, v in enumerate(per_rank) if v is not None]
+        for name in LAYER_METRICS:
+            per_layer = m.get(name)
+            if isinstance(per_layer, dict):
+                rows += [(ts, 0, it, f"{name}/{layer}", float(v)) for layer, v in per_layer.items()
+                         if isinstance(v, int | float)]
+        mtp = m.get("mtp_loss")
+        if isinstance(mtp, list):
+            rows += [(ts, 0, it, f"mtp_loss/{k}", float(v)) for k, v in enumerate(mtp, 1) if isinstance(v, int | float)]
     return rows

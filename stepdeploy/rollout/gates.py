@@ -22,6 +22,18 @@ class Thresholds:
     memory_tolerance: float = 0.15  # measured peak vs the plan's prediction, either way
     loss_window: int = 3  # iterations averaged at the start and the end to call the loss "falling"
     max_step_time_s: float | None = None  # optional ceiling on the steady step time
+    # the soak's training gates (rollout/training_gates.py)
+    trend_window_fraction: float = 0.1  # loss trend: windows of this share of the iterations after warm-up
+    max_loss_rise: float = 0.02  # a long soak's loss may sit flat within 2 % of where it started
+    long_soak_iterations: int = 2000  # after warm-up: from here a flat loss passes
+    spike_window: int = 20  # a spike: above the running median of this many iterations before it ...
+    spike_z: float = 6.0  # ... by this robust z-score (MAD) ...
+    spike_min_rise: float = 0.05  # ... and at least 5 % above it
+    max_loss_spikes: int = 0
+    max_grad_norm_ratio: float = 10.0  # after warm-up: the largest gradient norm over the median
+    max_expert_load: float = 4.0  # MoE, after warm-up: median over steps of the busiest expert / the mean
+    max_dropped: float = 0.0  # MoE: routed assignments dropped in a step (stepdeploy renders dropless dispatchers)
+    max_router_bias: float = 1.0  # MoE: |expert bias|; sigmoid scores lie in (0, 1)
 
 
 @dataclass(frozen=True)

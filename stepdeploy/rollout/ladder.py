@@ -1,7 +1,7 @@
 """The stages and the scaling ladder of a rollout (pure: a cluster and a target model in, rungs out).
 
-The seed's advice made concrete: validate a ~1B proxy first, on one GPU, then all GPUs of one node, then
-all nodes, then the target model on all nodes. A rung the cluster cannot hold, or one that would repeat
+The seed's advice made concrete: validate a ~1B proxy first (MoE for an MoE target), on one GPU, then all GPUs of
+one node, then all nodes, then the target model on all nodes. A rung the cluster cannot hold, or one that would repeat
 the previous rung exactly (a CPU node has one slot), is skipped with the reason.
 """
 
@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stepdeploy.catalog import load_model
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 
 STAGES = ("warmup", "scale", "soak")
 CPU_PROXY = "tiny-dense"  # CPU nodes (simulated cluster, CI): the torch engine
 GPU_PROXY = "proxy-0.7b-dense"  # ~0.7B, the H200 baseline of FACTS
+# an MoE target's proxies are MoE too: expert dispatch (router, permutation, expert parallelism) runs at every
+# rung before the target's, and the proxy rungs compare like with like
+CPU_MOE_PROXY = "tiny-moe"
+GPU_MOE_PROXY = "proxy-0.7b-moe"
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,17 @@ def parse_stages(text: str) -> tuple[str, ...]:
     return tuple(s for s in STAGES if s in names)  # always in rollout order
 
 
+def proxy_for(cluster: Cluster, target_model: str) -> str:
+    """The ladder's proxy: ~0.7B on GPU nodes, tiny on CPU nodes; MoE for an MoE target."""
+    moe = load_model(target_model).moe is not None
+    if cluster.nodes[0].gpus_per_node:
+        return GPU_MOE_PROXY if moe else GPU_PROXY
+    return CPU_MOE_PROXY if moe else CPU_PROXY
+
+
 def scale_ladder(cluster: Cluster, target_model: str, proxy_model: str | None = None) -> list[Rung]:
     slots = slots_per_node(cluster)
-    proxy = proxy_model or (GPU_PROXY if cluster.nodes[0].gpus_per_node else CPU_PROXY)
+    proxy = proxy_model or proxy_for(cluster, target_model)
     n = len(cluster.nodes)
     wanted = [
         Rung("proxy-1-gpu", proxy, 1, 1),

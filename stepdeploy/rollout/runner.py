@@ -147,12 +147,16 @@ class Rollout:
                                             {"local_run": str(local), "rung": rung.as_dict(), "plan": summary})
         return attempt, local, summary, False
 
-    def render_options(self, stage: str, rung: Rung, iterations: int, run_id: str) -> RenderOptions:
+    def render_options(self, stage: str, rung: Rung, iterations: int, run_id: str,
+                       schedule: tuple[int, int] | None = None) -> RenderOptions:
+        """`schedule`: (warmup, decay) iterations of the learning rate (the soak's, from its expected length)."""
+        warmup, decay = schedule or (None, None)
         return RenderOptions(run_id=run_id, stage=stage, iterations=iterations, nproc_per_node=rung.nproc_per_node,
                              pg_timeout_s=self.config.pg_timeout_s, seq_length=self.config.seq_length,
                              global_batch_size=self.config.global_batch_size,
                              save_interval=self.config.checkpoint_interval if stage == "soak" else 0,
-                             executor=self.config.executor)  # None: the inventory's stepdeploy_executor
+                             executor=self.config.executor,  # None: the inventory's stepdeploy_executor
+                             data=self.config.data, warmup_iterations=warmup, decay_iterations=decay)
 
     def _launch_and_follow(self, executor: FabricExecutor, local: Path, stage: str, rung: Rung, total: int | None,
                            deadline: float, *, reattach: bool = False,

@@ -21,8 +21,8 @@ from stepdeploy.errors import BadInput
 from stepdeploy.monitor import classify, diagnose
 from stepdeploy.monitor.classify import Classification
 from stepdeploy.monitor.model import Thresholds
-from stepdeploy.rollout import gates, inject, monitors
-from stepdeploy.rollout.attempt import executor_for, render_attempt
+from stepdeploy.rollout import gates, inject, monitors, training_gates
+from stepdeploy.rollout.attempt import executor_for, read_metrics, render_attempt
 from stepdeploy.rollout.config import StageFailed
 from stepdeploy.rollout.ladder import target_rung
 
@@ -95,7 +95,7 @@ def run_soak(r: Rollout) -> None:
             metrics = r._collect_since(executor, local, attempt, started)
             if why == "deadline":
                 r.ledger.finish_attempt(attempt, "passed", _detail(metrics, "soak duration reached"))
-                _final_gates(r, rung.name, restarts, metrics)
+                _final_gates(r, rung.name, restarts, local)
                 return
             if why == "stop requested":
                 r.ledger.finish_attempt(attempt, "stopped", _detail(metrics, "stop requested"))
@@ -265,9 +265,55 @@ def _soak_dir(r: Rollout, rung: Any) -> Path:
         return Path(a["detail"]["local_run"])
     local = r.run_dir / "attempts" / "soak-target"
     if not (local / "manifest.json").exists():
-        opts = r.render_options("soak", rung, SOAK_ITERATIONS, f"{r.run_id}-soak")
+        schedule = soak_schedule(r.config.soak_duration_s, *_step_estimate(r))
+        _event(r, "schedule", f"soak schedule: warm-up {schedule.warmup} iteration(s), cosine decay to a tenth of "
+               f"the peak learning rate at iteration {schedule.decay} (the {schedule.expected:,} iterations "
+               f"{r.config.soak_duration_s:.0f} s take at {schedule.step_s:.3f} s a step, {schedule.source})",
+               schedule.to_json())
+        opts = r.render_options("soak", rung, SOAK_ITERATIONS, f"{r.run_id}-soak", (schedule.warmup, schedule.decay))
         render_attempt(r.cluster, rung, opts, r.config.layout, local)
     return local
+
+
+@dataclass(frozen=True)
+class SoakSchedule:
+    """The soak's learning-rate schedule, sized from its expected iterations."""
+
+    step_s: float
+    source: str
+    expected: int
+    warmup: int
+    decay: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step_s": self.step_s, "source": self.source, "expected_iterations": self.expected,
+                "warmup_iterations": self.warmup, "decay_iterations": self.decay}
+
+
+DEFAULT_STEP_S = 1.0  # no warm-up measured and no GPU plan (a soak run alone on CPU nodes): an assumption, said so
+MAX_WARMUP = 2000  # iterations: megatron's usual warm-up for long pre-training runs
+
+
+def soak_schedule(duration_s: float, step_s: float, source: str) -> SoakSchedule:
+    """Warm-up 5 % of the expected iterations (at least 1, at most MAX_WARMUP), then the cosine decay over the rest:
+    the soak trains as a run of its length would, instead of crawling through a warm-up sized for the
+    SOAK_ITERATIONS it is rendered with (it ends by time)."""
+    expected = max(2, int(duration_s / max(step_s, 1e-3)))
+    warmup = min(MAX_WARMUP, max(1, expected // 20))
+    return SoakSchedule(step_s, source, expected, warmup, max(expected, warmup + 1))
+
+
+def _step_estimate(r: Rollout) -> tuple[float, str]:
+    """The target's step time: measured by the warm-up stage (its steady step), else the planner's prediction."""
+    for event in r.ledger.events(r.run_id):
+        data = event.get("data") or {}
+        if event.get("stage") == "warmup" and data.get("steady_step_s"):
+            return float(data["steady_step_s"]), "measured in the warm-up"
+    for attempt in r.ledger.attempts(r.run_id, "warmup"):
+        predicted = (attempt["detail"].get("plan") or {}).get("predicted_step_s")
+        if predicted:
+            return float(predicted), "the planner's prediction"
+    return DEFAULT_STEP_S, f"assumed ({DEFAULT_STEP_S} s: no warm-up measured, no prediction)"
 
 
 def _detail(metrics: list[dict[str, Any]], why: str) -> dict[str, Any]:
@@ -275,14 +321,21 @@ def _detail(metrics: list[dict[str, Any]], why: str) -> dict[str, Any]:
     return {"why": why, "iterations": last.get("iteration"), "final_loss": last.get("loss")}
 
 
-def _final_gates(r: Rollout, rung: str, restarts: int, metrics: list[dict[str, Any]]) -> None:
+def _final_gates(r: Rollout, rung: str, restarts: int, local: Path) -> None:
+    """Judged over the whole soak: every line of the run's metrics file, across its restarts."""
     verdicts = [gates.GateVerdict("no_unrecovered_failure", True, restarts, r.config.soak_max_restarts,
                                   f"soak completed its duration with {restarts} restart(s)")]
-    all_metrics = [m for m in metrics if m]
+    all_metrics = [m for m in read_metrics(local / "fetched") if m]
     if all_metrics:
         verdicts.append(gates.losses_finite(all_metrics))
+        verdicts += training_gates.soak_training_gates(all_metrics, _warmup_iterations(local), r.config.thresholds)
     for v in verdicts:
         r.ledger.verdict(r.run_id, "soak", rung, v.gate, v.passed, v.measured, v.threshold, v.reason)
     failed = [v for v in verdicts if not v.passed]
     if failed:
         raise StageFailed(f"soak: gate {failed[0].gate} failed: {failed[0].reason}")
+
+
+def _warmup_iterations(local: Path) -> int:
+    """The learning-rate warm-up the soak's run trains with (its workload.json): the gates judge after it."""
+    return int(json.loads((local / "workload.json").read_text())["training"]["warmup_iterations"])

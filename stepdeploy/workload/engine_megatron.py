@@ -1,5 +1,6 @@
 """The `megatron` engine (GPU): megatron-core's GPTModel built from the catalog model with the plan's
-TP/PP/EP/ETP/DP, trained with megatron's DDP + distributed optimizer on mock (synthetic Markov-chain) tokens,
+TP/PP/EP/ETP/DP, trained with megatron's DDP + distributed optimizer on a synthetic Markov-chain stream or an
+indexed dataset through megatron-core's GPTDataset (data.py),
 saved with dist-checkpointing. Standard library + torch + megatron-core only (shipped as a file).
 
 Without TransformerEngine, stock megatron-core's local layer spec uses an unfused attention (half the speed,
@@ -18,16 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import attention
+import data
 import experts_grouped
 import layers
 import megatron_ckpt
+import moe_stats
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import traces
 from metrics import RankFiles, log
+from schedule import lr_at
 
-POOL = 16  # distinct synthetic micro-batches, cycled
 WEIGHT_DECAY = 0.1
 
 
@@ -167,26 +170,6 @@ def build_model(cfg: dict[str, Any], config: Any, pre_process: bool = True, post
                     position_embedding_type=m["position_embedding_type"])
 
 
-def token_pool(vocab: int, seed: int, seq: int, mbs: int, dp_rank: int) -> list[torch.Tensor]:
-    """POOL micro-batches of [mbs, seq + 1] Markov-chain tokens (each token has 4 likely successors)."""
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randint(0, vocab, (vocab, 4), generator=gen)
-    gen.manual_seed(seed * 7919 + dp_rank)
-    rows = POOL * mbs
-    tokens = torch.empty(rows, seq + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, vocab, (rows,), generator=gen)
-    choice = torch.randint(0, 4, (rows, seq), generator=gen)
-    for pos in range(seq):
-        tokens[:, pos + 1] = table[tokens[:, pos], choice[:, pos]]
-    return list(tokens.view(POOL, mbs, seq + 1))
-
-
-def batch_index(iteration: int, micro: int, micro_batches: int) -> int:
-    """Which pooled micro-batch iteration `iteration` trains on as its `micro`-th: a function of the iteration
-    alone, so a run resumed from a checkpoint sees the data the uninterrupted run would have seen."""
-    return (iteration * micro_batches + micro) % POOL
-
-
 def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -212,6 +195,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     ddp = ddp_config_kwargs(cfg) | config_overrides(rank, "STEPDEPLOY_DDP_OVERRIDES")
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp), module=model)
     trace.mark("model")
+    files.phase("model")
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     if ddp["overlap_grad_reduce"]:
@@ -220,15 +204,22 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         OptimizerConfig(optimizer="adam", lr=t["lr"], weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95,
                         bf16=True, use_distributed_optimizer=p["distributed_optimizer"], clip_grad=1.0), [model])
     trace.mark("optimizer")
+    files.phase("optimizer")
     params = sum(q.numel() for q in model.parameters())
     log(rank, f"megatron engine: {params:,} parameters on this rank, world {world}, DP {dp}, "
               f"{micro_batches} micro-batch(es) of {mbs}x{seq}, layout {p}")
-    pool = [b.cuda() for b in token_pool(cfg["model"]["vocab_size"], t["seed"], seq, mbs, ps.get_data_parallel_rank())]
+    m = cfg["model"]
+    stats = moe_stats.RouterStats(m["num_layers"] + (m.get("mtp_num_layers") or 0), m["moe"]["num_experts"],
+                                  m["moe"]["topk"], "cuda") if m["moe"] else None
+    if stats is not None:
+        stats.watch_megatron(model)
+    mtp_layers = m.get("mtp_num_layers") or 0
+    source = data.source_for(cfg, ps.get_data_parallel_rank(), micro_batches, "cuda", megatron=True)
     positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(mbs, -1)
 
     def batches(iteration: int) -> Any:
         for micro in range(micro_batches):
-            tokens = pool[batch_index(iteration, micro, micro_batches)]
+            tokens = source.micro_batch(iteration, micro)
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
@@ -244,7 +235,9 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
 
     forward_backward = get_forward_backward_func()
     ckpt_dir = out_dir / "checkpoints"
+    loading = time.time()
     start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank)
+    files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3))
     for group in optimizer.param_groups:
         # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
         group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
@@ -286,10 +279,17 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         if profiled:
             phases["profiled"] = True  # the profiler's overhead is in this step: means leave it out
         loss = (sum(x["lm loss"] for x in losses) / len(losses)).float() if losses else torch.zeros((), device="cuda")
-        report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage(), phases)
+        if stats is not None:
+            phases |= stats.reduce()
+        mtp = moe_stats.mtp_losses(mtp_layers, micro_batches, "cuda") if mtp_layers else None
+        report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage(), phases, mtp)
+        if iteration == start + 1:
+            files.phase("first_step", iteration=iteration, step_s=round(step, 4))
         began = time.perf_counter() if profiled else ended  # not the profiler's write-out either
         if t["save_interval"] and iteration % t["save_interval"] == 0:
+            saving = time.time()
             megatron_ckpt.save(model, optimizer, ckpt_dir, iteration, rank)
+            files.phase("save", iteration=iteration, began=saving)
             began = time.perf_counter()  # a save is not the next step's time
     trace.mark("end")
     ps.destroy_model_parallel()
@@ -346,25 +346,28 @@ def config_overrides(rank: int, variable: str) -> dict[str, Any]:
     return overrides
 
 
-def lr_at(iteration: int, t: dict[str, Any]) -> float:
-    warmup = t["warmup_iterations"]
-    return t["lr"] * min(1.0, iteration / warmup)
-
-
 def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Tensor, grad_norm: float | None,
-           lr: float, step: float, world: int, last_stage: bool, phases: dict[str, Any] | None = None) -> None:
+           lr: float, step: float, world: int, last_stage: bool, phases: dict[str, Any] | None = None,
+           mtp: torch.Tensor | None = None) -> None:
+    """`phases`: extra keys for the metrics line; `mtp`: this rank's MTP losses (averaged like the LM loss)."""
     t = cfg["training"]
-    # one collective and one device-to-host copy: [loss sum, last-stage ranks, each rank's step s, each rank's peak]
-    mine = torch.zeros(2 + 2 * world)
+    # one collective and one device-to-host copy: [loss sum, last-stage ranks, each rank's step s, each rank's peak,
+    # the MTP losses' sums]
+    n_mtp = 0 if mtp is None else mtp.numel()
+    mine = torch.zeros(2 + 2 * world + n_mtp)
     rank = dist.get_rank()
     mine[1], mine[2 + rank] = float(last_stage), step
     mine[2 + world + rank] = torch.cuda.max_memory_allocated() / 2**30
     stats = mine.cuda()
     if last_stage:
         stats[0] += loss.float()
+        if mtp is not None:
+            stats[2 + 2 * world:] += mtp
     dist.all_reduce(stats)
     got = stats.tolist()
-    times, peak = got[2:2 + world], max(got[2 + world:])
+    times, peak = got[2:2 + world], max(got[2 + world:2 + 2 * world])
+    if n_mtp:
+        phases = (phases or {}) | {"mtp_loss": [round(x / got[1], 5) for x in got[2 + 2 * world:]]}
     files.beat(iteration)
     if files.rank != 0:
         return

@@ -1,28 +1,29 @@
 """The `torch` engine: a small real decoder transformer (dense, or MoE when the model has experts) trained
 with DDP over gloo on CPU, on deterministic synthetic tokens. Standard library + torch only (shipped).
 
-The tokens come from a fixed random Markov chain (each token has a few likely successors), so the loss has
-somewhere to fall to: from ln(vocab) towards the chain's entropy. Batch i of data-parallel rank d is a
-function of (seed, i, d) alone, so a resumed run sees the same data it would have seen.
+The tokens come from data.py: a synthetic Markov-chain stream (each token has a few likely successors, so the
+loss has somewhere to fall to: from ln(vocab) towards the chain's entropy), or an indexed dataset prepared by
+`stepdeploy data prepare`. Micro-batch m of iteration i on data-parallel rank d is a function of (i, m, d) alone,
+so a resumed run sees the same data it would have seen.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import ckpt
+import data
+import moe_stats
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from metrics import RankFiles, log
+from schedule import lr_at
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-SUCCESSORS = 4
 
 
 class RMSNorm(nn.Module):
@@ -96,6 +97,8 @@ class Moe(nn.Module):
                                      for _ in range(moe["num_experts"]))
         shared = moe["shared_expert_ffn_hidden_size"]
         self.shared = Mlp(hidden, shared, m["gated_linear_unit"], False) if shared else None
+        self.stats: moe_stats.RouterStats | None = None  # set by train(): tokens per expert, per step
+        self.slot = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -103,6 +106,8 @@ class Moe(nn.Module):
         probs = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
         weights, chosen = probs.topk(self.topk, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
+        if self.stats is not None:
+            self.stats.add(self.slot, torch.bincount(chosen.flatten(), minlength=probs.shape[-1]), flat.shape[0])
         out = torch.zeros_like(flat)
         for index, expert in enumerate(self.experts):
             # An expert that gets no token still runs (on zero rows): its gradient is then zero, not
@@ -150,32 +155,6 @@ class Decoder(nn.Module):
         return self.out(self.final(x))
 
 
-def markov_table(vocab: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (vocab, SUCCESSORS), generator=gen)
-
-
-def synthetic_batch(table: torch.Tensor, seed: int, iteration: int, dp_rank: int, micro: int, batch: int,
-                    seq: int) -> torch.Tensor:
-    """[batch, seq + 1] tokens; the same (seed, iteration, dp_rank, micro) always gives the same tokens."""
-    mixed = ((seed * 1_000_003 + iteration) * 1_000_033 + dp_rank) * 1_009 + micro
-    gen = torch.Generator().manual_seed(mixed & 0x7FFFFFFFFFFF)
-    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, table.shape[0], (batch,), generator=gen)
-    choices = torch.randint(0, SUCCESSORS, (batch, seq), generator=gen)
-    for pos in range(seq):
-        tokens[:, pos + 1] = table[tokens[:, pos], choices[:, pos]]
-    return tokens
-
-
-def lr_at(iteration: int, cfg: dict[str, Any]) -> float:
-    train = cfg["training"]
-    base, warmup, total = train["lr"], train["warmup_iterations"], train["iterations"]
-    if iteration <= warmup:
-        return base * iteration / warmup
-    return base * 0.5 * (1 + math.cos(math.pi * (iteration - warmup) / max(1, total - warmup)))
-
-
 def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     rank, world, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     m, train_cfg = cfg["model"], cfg["training"]
@@ -183,23 +162,27 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     micro_batches = gbs // (mbs * world)
     torch.manual_seed(train_cfg["seed"])
     model = Decoder(m)
+    stats = watch_routers(model, m)
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=train_cfg["lr"], weight_decay=0.01)
+    files.phase("model")
     ckpt_dir = out_dir / "checkpoints"
+    loading = time.time()
     start = resume(model, optimizer, ckpt_dir, rank)
-    table = markov_table(m["vocab_size"], train_cfg["seed"])
+    files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3))
+    source = data.source_for(cfg, rank, micro_batches, "cpu", megatron=False)
     params = sum(p.numel() for p in model.parameters())
     log(rank, f"torch engine: {params:,} parameters, world {world}, {micro_batches} micro-batch(es) of {mbs}x{seq}, "
               f"iterations {start + 1}..{train_cfg['iterations']}")
     for iteration in range(start + 1, train_cfg["iterations"] + 1):
         began = time.perf_counter()
-        lr = lr_at(iteration, cfg)
+        lr = lr_at(iteration, cfg["training"])
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(())
         for micro in range(micro_batches):
-            tokens = synthetic_batch(table, train_cfg["seed"], iteration, rank, micro, mbs, seq)
+            tokens = source.micro_batch(iteration, micro)
             logits = ddp(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
             (loss / micro_batches).backward()
@@ -207,15 +190,32 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step = time.perf_counter() - began
-        report(cfg, files, iteration, loss_sum / micro_batches, grad_norm, lr, step, world)
+        extra = stats.reduce() if stats is not None else {}
+        report(cfg, files, iteration, loss_sum / micro_batches, grad_norm, lr, step, world, extra)
+        if iteration == start + 1:
+            files.phase("first_step", iteration=iteration, step_s=round(step, 4))
         if should_save(iteration, train_cfg) and local_rank == 0:
+            saving = time.time()
             save(model, optimizer, ckpt_dir, iteration)
+            files.phase("save", iteration=iteration, began=saving)
             log(rank, f"checkpoint {iteration} committed")
     return 0
 
 
+def watch_routers(model: Decoder, m: dict[str, Any]) -> moe_stats.RouterStats | None:
+    """Count every MoE layer's routed tokens per expert (None for a dense model)."""
+    if not m["moe"]:
+        return None
+    stats = moe_stats.RouterStats(m["num_layers"], m["moe"]["num_experts"], m["moe"]["topk"], "cpu")
+    for index, block in enumerate(model.blocks):
+        if isinstance(block.ffn, Moe):
+            block.ffn.stats, block.ffn.slot = stats, index
+            stats.present[index] = 1.0
+    return stats
+
+
 def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-           lr: float, step: float, world: int) -> None:
+           lr: float, step: float, world: int, extra: dict[str, Any] | None = None) -> None:
     """All-reduce the loss, gather every rank's step time, write the metrics line (rank 0), beat."""
     loss = loss.clone()
     dist.all_reduce(loss)
@@ -229,7 +229,7 @@ def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Te
     slowest = max(t.item() for t in times)
     values = {"iteration": iteration, "loss": round(loss.item() / world, 5), "grad_norm": round(grad_norm.item(), 5),
               "lr": lr, "step_time_s": round(slowest, 4), "tokens_per_s": round(tokens / slowest, 1),
-              "rank_step_time_s": [round(t.item(), 4) for t in times], "time": time.time()}
+              "rank_step_time_s": [round(t.item(), 4) for t in times], "time": time.time(), **(extra or {})}
     files.record(values)
     log(0, f"iter {iteration}/{train_cfg['iterations']} loss {values['loss']:.4f} grad_norm "
            f"{values['grad_norm']:.3f} lr {lr:.2e} step {slowest:.3f}s {values['tokens_per_s']:.0f} tok/s")

@@ -1,6 +1,10 @@
 """Metrics, heartbeat and status files written by every rank (standard library only; shipped as a file).
 
     out/metrics.jsonl          rank 0: one JSON object per iteration (the same keys for both engines)
+    out/phases.jsonl           rank 0: where a start's time goes, one line per phase, appended by every start
+                               of the run: {"phase", "time", "pid", ...}. start (the process began), initialized
+                               (process group up), model, optimizer, resumed (+ iteration, load_s), first_step
+                               (+ iteration, step_s), save (+ iteration, began; time = when the step loop resumed)
     out/heartbeat/rank<R>      every rank: {"iteration", "time"}, rewritten every step (hang detection)
     out/status/rank<R>.json    every rank: {"state": "running", "pid", ...} at start, {"state": "exited",
                                "code", "reason"} at exit. A rank killed outright leaves "running" with a
@@ -20,7 +24,10 @@ from ckpt import atomic_write_json
 
 METRIC_KEYS = ("iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
                "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu", "time")
-OPTIONAL_KEYS = ("forward_backward_s", "optimizer_s", "profiled")  # the megatron engine's, written when given
+# written when given: the megatron engine's phase split; MoE models' expert load (moe_stats.py), router bias
+# (expert-bias balancing) and MTP losses (one per MTP layer)
+OPTIONAL_KEYS = ("forward_backward_s", "optimizer_s", "profiled", "moe_load", "moe_load_max", "moe_dropped",
+                 "router_bias", "router_bias_absmax", "mtp_loss")
 
 
 class RankFiles:
@@ -29,6 +36,7 @@ class RankFiles:
         self.heartbeat = out_dir / "heartbeat" / f"rank{rank}"
         self.status = out_dir / "status" / f"rank{rank}.json"
         self.metrics = out_dir / "metrics.jsonl"
+        self.phases = out_dir / "phases.jsonl"
 
     def started(self, world: int, local_rank: int) -> None:
         atomic_write_json(self.status, {"state": "running", "pid": os.getpid(), "rank": self.rank, "world": world,
@@ -49,6 +57,15 @@ class RankFiles:
         """Append one metrics line (rank 0 only); missing keys are written as null, optional ones left out."""
         line = {key: values.get(key) for key in METRIC_KEYS} | {k: values[k] for k in OPTIONAL_KEYS if k in values}
         with open(self.metrics, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+
+    def phase(self, name: str, when: float | None = None, **data: Any) -> None:
+        """Rank 0: one line of out/phases.jsonl (start-up, resume, first step, checkpoint saves: goodput)."""
+        if self.rank != 0:
+            return
+        line = {"phase": name, "time": time.time() if when is None else when, "pid": os.getpid(), **data}
+        with open(self.phases, "a") as handle:
             handle.write(json.dumps(line) + "\n")
 
 

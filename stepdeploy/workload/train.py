@@ -18,14 +18,16 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
+STARTED = time.time()  # before torch's import (seconds of a start's cost)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, also when run as a file
 
-import torch.distributed as dist
-from metrics import RankFiles, log
+import torch.distributed as dist  # noqa: E402 (after STARTED)
+from metrics import RankFiles, log  # noqa: E402
 
 EXIT_CONFIG, EXIT_COLLECTIVE, EXIT_TERM = 2, 3, 143
 PR_SET_PDEATHSIG = 1
@@ -65,6 +67,7 @@ def load_config(args: argparse.Namespace) -> dict:
         cfg["engine"] = args.engine
     if args.iterations:
         cfg["training"]["iterations"] = args.iterations
+    cfg["config_dir"] = str(args.config.resolve().parent)  # relative paths in it (the dataset) start there
     return cfg
 
 
@@ -115,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as exc:
             code, reason = EXIT_CONFIG, f"bad configuration: {exc!r}"
             return code
+        files.phase("start", STARTED)
         init_distributed(cfg)
+        files.phase("initialized")
         code = run(cfg, args.out_dir, files)
         reason = "finished"
     except Stopped as exc:

@@ -20,11 +20,13 @@ def test_dgx_pair_gets_four_rungs_from_one_gpu_to_the_target() -> None:
     cluster = load_cluster(ROOT / "inventory/dgx.ini")
     rungs = scale_ladder(cluster, "step-3.5-flash")
     assert [(r.name, r.model, r.nodes, r.nproc_per_node, r.skip_reason) for r in rungs] == [
-        ("proxy-1-gpu", "proxy-0.7b-dense", 1, 1, None),
-        ("proxy-1-node", "proxy-0.7b-dense", 1, 8, None),
-        ("proxy-all-nodes", "proxy-0.7b-dense", 2, 8, None),
+        ("proxy-1-gpu", "proxy-0.7b-moe", 1, 1, None),  # an MoE target: expert dispatch before the target
+        ("proxy-1-node", "proxy-0.7b-moe", 1, 8, None),
+        ("proxy-all-nodes", "proxy-0.7b-moe", 2, 8, None),
         ("target-all-nodes", "step-3.5-flash", 2, 8, None),
     ]
+    assert {r.model for r in scale_ladder(cluster, "gpt3-175b-seed")[:3]} == {"proxy-0.7b-dense"}
+    assert {r.model for r in scale_ladder(cluster, "step-3.5-flash", "proxy-0.7b-dense")[:3]} == {"proxy-0.7b-dense"}
     assert target_rung(cluster, "step-3.5-flash").world == 16
     assert [n.name for n in sub_cluster(cluster, 1).nodes] == ["dgx-01"]
 
@@ -34,9 +36,12 @@ def test_cpu_nodes_skip_the_rung_that_would_repeat_the_previous_one(tmp_path: Pa
     inv.write_text("[sim]\nnode1 ansible_host=10.9.0.11\nnode2 ansible_host=10.9.0.12\n"
                    "[sim:vars]\nstepdeploy_gpus_per_node=0\nstepdeploy_profile=sim-cpu\n")
     rungs = scale_ladder(load_cluster(inv), "tiny-moe")
-    assert [r.model for r in rungs] == ["tiny-dense"] * 3 + ["tiny-moe"]
+    assert [r.model for r in rungs] == ["tiny-moe"] * 4
+    # the target is its own proxy here: its rung would repeat proxy-all-nodes
+    assert rungs[3].skip_reason == "same as rung proxy-all-nodes on this cluster (2 rank(s))"
     assert rungs[1].skip_reason == "same as rung proxy-1-gpu on this cluster (1 rank(s))"
-    assert [r.world for r in rungs if not r.skip_reason] == [1, 2, 2]
+    assert [r.world for r in rungs if not r.skip_reason] == [1, 2]
+    assert [r.model for r in scale_ladder(load_cluster(inv), "tiny-dense")] == ["tiny-dense"] * 4
 
 
 def test_parse_stages_orders_and_refuses_unknown() -> None:
@@ -185,3 +190,16 @@ def test_scale_gates_compare_rungs_of_the_same_model_only() -> None:
     assert not scaling.passed and scaling.measured == 0.2  # the same model: a real scaling verdict
     first = Rollout._scale_gates(fake, Rung("proxy-1-gpu", "proxy", 1, 1), metrics, plan, None)
     assert next(v for v in first if v.gate == "scaling_efficiency").reason == "first rung: the baseline"
+
+
+def test_the_soak_schedule_is_sized_from_its_expected_iterations() -> None:
+    from stepdeploy.rollout.soak import MAX_WARMUP, soak_schedule
+
+    # the dense soak: 150 s at 0.645 s a step
+    s = soak_schedule(150.0, 0.645, "measured in the warm-up")
+    assert (s.expected, s.warmup, s.decay) == (232, 11, 232)
+    assert s.to_json()["warmup_iterations"] == 11
+    week = soak_schedule(72 * 3600.0, 0.5, "the planner's prediction")  # a 72-hour soak: warm-up capped
+    assert week.warmup == MAX_WARMUP and week.decay == week.expected == 518_400
+    tiny = soak_schedule(1.0, 5.0, "assumed")
+    assert (tiny.expected, tiny.warmup, tiny.decay) == (2, 1, 2)

@@ -100,6 +100,14 @@ def uncoalesced_collectives() -> None:
     pgb.dist_reduce_scatter_func = issued(pgb.dist_reduce_scatter_func)
 
 
+def token_batches(vocab: int, count: int, dp_rank: int = 0, rows: int = 2, seq: int = 32) -> list[torch.Tensor]:
+    """`count` micro-batches of [rows, seq + 1] synthetic tokens as the engines draw them (synthetic.py)."""
+    from synthetic import markov_table, markov_tokens
+
+    table = markov_table(vocab, 1)
+    return [markov_tokens(table, 1, 1, micro, dp_rank, rows, seq + 1) for micro in range(count)]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

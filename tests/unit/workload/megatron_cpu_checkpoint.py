@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron_cpu import free_port, megatron_on_cpu, one_step
+from megatron_cpu import free_port, megatron_on_cpu, one_step, token_batches
 
 
 def main(model_name: str, workdir: Path) -> None:
@@ -66,7 +66,7 @@ def main(model_name: str, workdir: Path) -> None:
                 for inner in megatron_ckpt.inner_optimizers(optimizer) for state in inner.optimizer.state.values()]
 
     model, optimizer = build(1)
-    pool = em.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, 0)
+    pool = token_batches(cfg["model"]["vocab_size"], 16)
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)
 
     def train_step(model: Any, optimizer: Any, step: int, gather: Any = None) -> float:

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 
 def rank_main(rank: int, port: int, out: str) -> None:
     sys.path.insert(0, str(HERE))
-    from megatron_cpu import megatron_on_cpu, one_step
+    from megatron_cpu import megatron_on_cpu, one_step, token_batches
 
     megatron_on_cpu(rank, 4, port)
     import engine_megatron as em
@@ -56,7 +56,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
                                                            use_distributed_optimizer=True), [model])
         return model, optimizer
 
-    pool = em.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, ps.get_data_parallel_rank())
+    pool = token_batches(cfg["model"]["vocab_size"], 16, ps.get_data_parallel_rank())
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)
 
     outside: list[int] = []  # bucket-group dispatches that did not come from ParamGather.dispatch, per step

@@ -201,8 +201,8 @@ def main() -> None:
         expected = ref.model_losses(tokens, whole, model, ref.Switches())
 
     # the router bias update: one training step through megatron's DDP and finalize_model_grads
-    bias_before, bias_after, loads = router_bias_step(gpt, config, tokens, positions)
-    print(json.dumps({"catalog_params": catalog_parameter_counts(),
+    bias_before, bias_after, loads, stats, mtp = router_bias_step(gpt, config, tokens, positions, m.num_layers)
+    print(json.dumps({"router_stats": stats, "mtp_loss": mtp, "catalog_params": catalog_parameter_counts(),
         "cases": cases, "model_loss": relative(losses, expected), "params": sum(p.numel() for p in gpt.parameters()),
         "planner_params": count_parameters(spec).total, "bias_before": bias_before, "bias_after": bias_after,
         "loads": loads, "bias_update_rate": model["moe"]["bias_update_rate"]}))
@@ -233,17 +233,32 @@ def catalog_parameter_counts() -> dict[str, list[int]]:
     return counts
 
 
-def router_bias_step(gpt: Any, config: Any, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[Any, Any, Any]:
+def router_bias_step(gpt: Any, config: Any, tokens: torch.Tensor, positions: torch.Tensor, layers: int
+                     ) -> tuple[Any, ...]:
+    """One step; also what the engine's RouterStats (hooks on every router) and MTP tracker read made of it."""
+    import moe_stats
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
+    stats = moe_stats.RouterStats(layers + 1, 4, 2, "cpu")
+    hooked = stats.watch_megatron(gpt)
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=gpt)
     router = gpt.decoder.layers[1].mlp.router
     before = router.expert_bias.tolist()
+    for layer in gpt.decoder.layers[1:]:
+        layer.mlp.router.local_tokens_per_expert.zero_()  # the model-loss forward above counted too
     model.zero_grad_buffer()
+    with torch.no_grad():  # not counted: no gradients (an evaluation, a full recompute's first forward)
+        gpt(tokens[:, :-1], positions, None, labels=tokens[:, 1:])
+    moe_stats.mtp_losses(1, 1, "cpu")  # clears what the forward above left in megatron's MTP tracker (if any)
     gpt(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean().backward()
     loads = router.local_tokens_per_expert.tolist()
+    mtp = moe_stats.mtp_losses(1, 1, "cpu").tolist()
     finalize_model_grads([model])
-    return before, router.expert_bias.tolist(), loads
+    counted = stats.counts[1].tolist()
+    summary = stats.reduce()
+    after_reduce = stats.counts.sum().item()
+    return before, router.expert_bias.tolist(), loads, {"hooked": hooked, "summary": summary, "counted": counted,
+                                                        "counts_after_reduce": after_reduce}, mtp
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core not importable (pip install megatron-core==0.16.1)")
 if not hasattr(torch, "_grouped_mm"):
     pytest.skip("torch without torch._grouped_mm", allow_module_level=True)
-import experts_grouped  # noqa: E402  (tests/unit/workload/conftest.py puts the workload directory on sys.path)
+import experts_grouped  # noqa: E402
+from synthetic import markov_table, markov_tokens  # noqa: E402  (tests/unit/workload/conftest.py puts the workload directory on sys.path)
 
 F = torch.nn.functional
 HIDDEN, FFN, EXPERTS = 64, 96, 4
@@ -245,7 +246,7 @@ def test_engine_layer_spec_switch(megatron_single_rank: None, choice: str, monke
     gpt = engine_megatron.build_model(cfg, TransformerConfig(**kwargs))
     kinds = [type(m).__name__ for m in gpt.modules() if type(m).__name__ in ("GroupedMMExperts", "SequentialMLP")]
     assert kinds == ["GroupedMMExperts" if choice == "grouped_mm" else "SequentialMLP"] * 3  # layers 1-3 are MoE
-    tokens = engine_megatron.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, 0)[0]
+    tokens = markov_tokens(markov_table(cfg["model"]["vocab_size"], 1), 1, 1, 0, 0, 2, 33)
     loss = gpt(tokens[:, :-1], torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=tokens[:, 1:]).mean()
     loss.backward()
     experts = [m for m in gpt.modules() if type(m).__name__ == kinds[0]]

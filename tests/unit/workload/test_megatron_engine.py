@@ -16,7 +16,9 @@ from stepdeploy.render.workload import workload_config
 
 torch = pytest.importorskip("torch")
 mcore = pytest.importorskip("megatron.core", reason="megatron-core not importable (pip install megatron-core==0.16.1)")
-import engine_megatron  # noqa: E402  (tests/unit/workload/conftest.py puts the workload directory on sys.path)
+import data  # noqa: E402
+import engine_megatron  # noqa: E402
+import synthetic  # noqa: E402  (tests/unit/workload/conftest.py puts the workload directory on sys.path)
 
 
 def cfg_for(model: str, layout: Layout, world: int = 1, **opts: Any) -> dict[str, Any]:
@@ -78,7 +80,8 @@ def test_model_builds_on_cpu_with_sdpa_attention_and_learns(model: str, megatron
     cores = [m for m in gpt.modules() if type(m).__name__ == "SdpaAttention"]
     assert len(cores) == cfg["model"]["num_layers"]
     assert not [m for m in gpt.modules() if type(m).__name__ == "DotProductAttention"]
-    pool = engine_megatron.token_pool(cfg["model"]["vocab_size"], 1, 32, 2, 0)
+    table = synthetic.markov_table(cfg["model"]["vocab_size"], 1)
+    pool = [synthetic.markov_tokens(table, 1, 1, micro, 0, 2, 33) for micro in range(2)]
     positions = torch.arange(32).unsqueeze(0).expand(2, -1)
     optimizer = torch.optim.Adam(gpt.parameters(), lr=3e-3)
     losses = []
@@ -146,16 +149,25 @@ def test_flash_attn_kernel_is_used_when_importable(monkeypatch: pytest.MonkeyPat
 
 
 def test_batches_depend_on_the_iteration_alone_so_a_resumed_run_sees_the_same_data() -> None:
-    """Iteration k's micro-batches are the same whether the run started at 1 or resumed at k (the bug this
-    replaced counted micro-batches since the process started, so a resumed run trained on other data)."""
-    for micro_batches in (1, 2, 3, 8):
-        fresh = {it: [engine_megatron.batch_index(it, m, micro_batches) for m in range(micro_batches)]
-                 for it in range(1, 40)}
-        resumed = {it: [engine_megatron.batch_index(it, m, micro_batches) for m in range(micro_batches)]
-                   for it in range(21, 40)}
-        assert all(resumed[it] == fresh[it] for it in resumed)
-        assert all(0 <= i < engine_megatron.POOL for ids in fresh.values() for i in ids)
-        assert len({i for ids in fresh.values() for i in ids}) == engine_megatron.POOL  # the whole pool is used
+    """Iteration k's micro-batches are the same whether the run started at 1 or resumed at k (a bug once counted
+    micro-batches since the process started), and no micro-batch of a run repeats (the engine once cycled a pool of
+    16: the soak's loss repeated with a period of 4 steps)."""
+    cfg = cfg_for("tiny-dense", Layout(mbs=2))
+    fresh = data.source_for(cfg, 0, 3, "cpu", megatron=True)
+    resumed = data.source_for(cfg, 0, 3, "cpu", megatron=True)
+    seen = {}
+    for iteration in range(1, 25):
+        for micro in range(3):
+            tokens = fresh.micro_batch(iteration, micro)
+            assert tokens.shape == (2, 33)
+            seen[(iteration, micro)] = tokens
+    for iteration in range(21, 25):
+        for micro in range(3):
+            assert torch.equal(resumed.micro_batch(iteration, micro), seen[(iteration, micro)])
+    rows = {tuple(row.tolist()) for tokens in seen.values() for row in tokens}
+    assert len(rows) == 2 * len(seen)  # every row of every micro-batch differs
+    other_rank = data.source_for(cfg, 1, 3, "cpu", megatron=True).micro_batch(1, 0)
+    assert not torch.equal(other_rank, seen[(1, 0)])
 
 
 def test_config_overrides_come_from_a_json_object_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

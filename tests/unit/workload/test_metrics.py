@@ -17,3 +17,23 @@ def test_every_line_has_the_common_keys_and_optional_ones_only_when_given(tmp_pa
     assert set(METRIC_KEYS) <= set(first) and set(METRIC_KEYS) == set(second)
     assert (first["forward_backward_s"], first["optimizer_s"], first["profiled"]) == (0.5, 0.1, True)
     assert "unknown" not in first and first["grad_norm"] is None and second["loss"] == 2.4
+
+
+def test_router_stats_summarise_load_dropped_and_bias_per_layer() -> None:
+    import torch
+    from moe_stats import RouterStats, summarise
+
+    counts = torch.tensor([[0.0, 0.0, 0.0, 0.0], [4.0, 4.0, 4.0, 4.0], [10.0, 2.0, 2.0, 2.0]])
+    present = torch.tensor([0.0, 1.0, 1.0])  # layer 1 is dense: no router on any rank
+    out = summarise(counts, torch.tensor([0.0, 16.0, 20.0]), present, torch.tensor([0.0, 0.01, -0.0]), True)
+    assert out["moe_load"] == {"2": 1.0, "3": 2.5} and out["moe_load_max"] == 2.5
+    assert abs(out["moe_dropped"] - 4 / 36) < 1e-6  # 32 of the 36 assignments asked for were routed
+    assert out["router_bias"] == {"2": 0.01, "3": 0.0} and out["router_bias_absmax"] == 0.01
+    assert "router_bias" not in summarise(counts, torch.zeros(3), present, torch.zeros(3), False)
+
+    stats = RouterStats(slots=2, experts=2, topk=1, device="cpu")  # no process group: this rank's counts alone
+    stats.present[1] = 1.0
+    stats.add(1, torch.tensor([3, 1]), tokens=4)
+    with torch.no_grad():
+        stats.add(1, torch.tensor([100, 0]), tokens=100)  # an evaluation pass: not counted
+    assert stats.reduce()["moe_load"] == {"2": 1.5} and stats.counts.sum() == 0

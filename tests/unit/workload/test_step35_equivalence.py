@@ -94,3 +94,23 @@ def test_the_router_bias_moves_towards_balance_after_a_step(result: dict) -> Non
     for b0, b1, load in zip(before, after, loads, strict=True):
         direction = (mean > load) - (mean < load)  # under-loaded experts gain, over-loaded ones lose
         assert b1 - b0 == pytest.approx(rate * direction, abs=1e-7)
+
+
+def test_router_stats_count_what_megatron_counts_and_read_the_bias(result: dict) -> None:
+    """The engine's per-layer load (hooks on megatron's routers) agrees with megatron's own expert-bias counter
+    for the layer, counts only passes with gradients, reads the moved bias, and clears itself for the next step."""
+    stats, loads = result["router_stats"], result["loads"]
+    summary = stats["summary"]
+    assert stats["hooked"] == 3  # layers 2 to 4 route (layer 1 and the MTP layer are dense)
+    assert set(summary["moe_load"]) == {"2", "3", "4"}
+    assert stats["counted"] == loads  # the no-grad forward before the step is not counted
+    expected = max(loads) * len(loads) / sum(loads)
+    assert summary["moe_load"]["2"] == pytest.approx(expected, abs=1e-4)
+    assert summary["moe_load_max"] == max(summary["moe_load"].values()) and summary["moe_dropped"] == 0.0
+    moved = max(abs(b1) for b1 in result["bias_after"])
+    assert summary["router_bias"]["2"] == pytest.approx(moved, rel=1e-5) and moved > 0
+    assert stats["counts_after_reduce"] == 0
+
+
+def test_mtp_loss_is_read_from_megatrons_tracker(result: dict) -> None:
+    assert len(result["mtp_loss"]) == 1 and 0.0 < result["mtp_loss"][0] < 10.0, result["mtp_loss"]

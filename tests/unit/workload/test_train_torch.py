@@ -61,6 +61,16 @@ def test_metrics_heartbeat_status_checkpoints_and_resume(tmp_path: Path, model: 
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 and len(m["rank_step_time_s"]) == 1 for m in metrics)
+    if model == "tiny-moe":  # every MoE layer's busiest expert over the mean, each step; dropless: nothing dropped
+        spec = load_model(model)
+        layers = {str(i + 1) for i in range(spec.moe.first_dense_layers, spec.num_layers)}
+        experts = spec.moe.num_experts
+        for m in metrics:
+            assert set(m["moe_load"]) == layers and m["moe_dropped"] == 0.0
+            assert all(1.0 <= v <= experts for v in m["moe_load"].values())
+            assert m["moe_load_max"] == max(m["moe_load"].values()) and "router_bias" not in m
+    else:
+        assert not any("moe_load" in m for m in metrics)
     assert json.loads((out / "heartbeat/rank0").read_text())["iteration"] == 6
     status = json.loads((out / "status/rank0.json").read_text())
     assert status["state"] == "exited" and status["code"] == 0 and status["node"] == "here"
@@ -72,6 +82,14 @@ def test_metrics_heartbeat_status_checkpoints_and_resume(tmp_path: Path, model: 
     assert "resumed from checkpoint 6" in output
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5, 6, 7, 8]
+    phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    names = [(p["phase"], p.get("iteration")) for p in phases]
+    assert names == [("start", None), ("initialized", None), ("model", None), ("resumed", 0), ("first_step", 1),
+                     ("save", 3), ("save", 6), ("start", None), ("initialized", None), ("model", None),
+                     ("resumed", 6), ("first_step", 7), ("save", 8)]
+    assert len({p["pid"] for p in phases[:7]}) == 1 and phases[7]["pid"] != phases[0]["pid"]
+    times = [p["time"] for p in phases]
+    assert times == sorted(times) and all(p["began"] <= p["time"] for p in phases if p["phase"] == "save")
 
 
 def test_bad_configuration_exits_2_and_says_so(tmp_path: Path) -> None:
@@ -117,11 +135,14 @@ def test_after_the_first_sigterm_later_ones_are_ignored() -> None:
 
 
 def test_synthetic_tokens_are_deterministic_and_differ_per_rank() -> None:
-    import engine_torch
+    import synthetic
 
-    table = engine_torch.markov_table(100, 1)
-    a = engine_torch.synthetic_batch(table, 1, 5, 0, 0, 2, 16)
-    assert (a == engine_torch.synthetic_batch(table, 1, 5, 0, 0, 2, 16)).all()
-    assert not (a == engine_torch.synthetic_batch(table, 1, 5, 1, 0, 2, 16)).all()
-    successors = {(int(x), int(y)) for row in a for x, y in itertools.pairwise(row.tolist())}
-    assert all(y in table[x].tolist() for x, y in successors)
+    table = synthetic.markov_table(100, 1)
+    a = synthetic.markov_tokens(table, 1, 5, 0, 0, 2, 130)
+    assert (a == synthetic.markov_tokens(table, 1, 5, 0, 0, 2, 130)).all()
+    assert not (a == synthetic.markov_tokens(table, 1, 5, 0, 1, 2, 130)).all()  # another DP rank
+    assert not (a == synthetic.markov_tokens(table, 1, 6, 0, 0, 2, 130)).all()  # another iteration
+    # within a block of BLOCK tokens every token is one of its predecessor's successors
+    pairs = {(int(x), int(y)) for row in a for i, (x, y) in enumerate(itertools.pairwise(row.tolist()))
+             if (i + 1) % synthetic.BLOCK}
+    assert pairs and all(y in table[x].tolist() for x, y in pairs)

@@ -1,0 +1,137 @@
+"""The soak's training gates: is the run training, and is it healthy? Pure judgements over the soak's metrics
+(every line of the run's metrics file, across restarts; an iteration redone after a restart counts once, as its
+last run), like rollout/gates.py's.
+
+    loss_trend      the loss falls over the soak after its warm-up (mean of the last window below the first);
+                    on a long soak (>= long_soak_iterations after warm-up) a flat loss within max_loss_rise
+                    also passes. A soak whose learning rate is ~0 sits flat and fails.
+    loss_spikes     iterations whose loss stands out of the running median of the spike_window before it:
+                    robust z-score (MAD) above spike_z and at least spike_min_rise above the median.
+    grad_norm       every step's gradient norm is finite, and after warm-up the largest stays within
+                    max_grad_norm_ratio of the median (the seed's "gradient value range").
+    expert_load     MoE models, after warm-up: the median over steps of the busiest expert's tokens over the
+                    mean (the worst layer each step) within max_expert_load; no token dropped beyond
+                    max_dropped; the router's expert bias within max_router_bias (sigmoid scores lie in (0, 1):
+                    a bias beyond 1 outweighs any score, the router no longer decides).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from stepdeploy.rollout.gates import GateVerdict, Thresholds
+
+Metrics = Sequence[dict[str, Any]]
+
+
+def kept(metrics: Metrics) -> list[dict[str, Any]]:
+    """One line per iteration (the last run of an iteration redone after a restart), in iteration order."""
+    last: dict[int, dict[str, Any]] = {}
+    for m in metrics:
+        if isinstance(m.get("iteration"), int):
+            last[m["iteration"]] = m
+    return [last[i] for i in sorted(last)]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def loss_trend(metrics: Metrics, warmup: int, t: Thresholds) -> GateVerdict:
+    losses = [m["loss"] for m in kept(metrics) if m["iteration"] > warmup and _finite(m.get("loss"))]
+    w = max(t.loss_window, int(len(losses) * t.trend_window_fraction))
+    if len(losses) < 2 * w:
+        return GateVerdict("loss_trend", False, len(losses), f">= {2 * w} iterations after warm-up",
+                           f"only {len(losses)} iteration(s) after the warm-up of {warmup}: too few to judge "
+                           "the loss's trend (a longer soak, or a shorter step)")
+    first, last = statistics.fmean(losses[:w]), statistics.fmean(losses[-w:])
+    measured = {"first": round(first, 4), "last": round(last, 4), "window": w, "iterations": len(losses)}
+    if last < first:
+        return GateVerdict("loss_trend", True, measured, "falling", f"loss {first:.4f} -> {last:.4f} over "
+                           f"{len(losses)} iterations after warm-up (means of {w})")
+    rise = (last - first) / abs(first) if first else math.inf
+    long = len(losses) >= t.long_soak_iterations
+    if long and rise <= t.max_loss_rise:
+        return GateVerdict("loss_trend", True, measured, f"flat within {t.max_loss_rise:.0%} (long soak)",
+                           f"loss flat {first:.4f} -> {last:.4f} ({rise:+.1%}) over {len(losses)} iterations")
+    why = (f"rose {rise:+.1%}, beyond {t.max_loss_rise:.0%}" if long else
+           f"not falling ({rise:+.1%}) in a soak of {len(losses)} iterations after warm-up (a flat loss passes "
+           f"only from {t.long_soak_iterations}): is the learning rate ~0, or the data repeating?")
+    return GateVerdict("loss_trend", False, measured, "falling", f"loss {first:.4f} -> {last:.4f}: {why}")
+
+
+def loss_spikes(metrics: Metrics, warmup: int, t: Thresholds) -> GateVerdict:
+    rows = [m for m in kept(metrics) if _finite(m.get("loss"))]
+    spikes: list[dict[str, float]] = []
+    for i, m in enumerate(rows):
+        before = [r["loss"] for r in rows[max(0, i - t.spike_window):i]]
+        if m["iteration"] <= warmup or len(before) < t.spike_window:
+            continue
+        median = statistics.median(before)
+        mad = statistics.median(abs(x - median) for x in before) * 1.4826
+        z = (m["loss"] - median) / mad if mad > 0 else (math.inf if m["loss"] > median else 0.0)
+        if z > t.spike_z and m["loss"] > median * (1 + t.spike_min_rise):
+            spikes.append({"iteration": m["iteration"], "loss": m["loss"], "median": round(median, 4)})
+    passed = len(spikes) <= t.max_loss_spikes
+    where = ", ".join(f"{s['iteration']} ({s['loss']:.3f} vs {s['median']:.3f})" for s in spikes[:5])
+    return GateVerdict("loss_spikes", passed, {"count": len(spikes), "spikes": spikes[:10]}, t.max_loss_spikes,
+                       f"{len(spikes)} loss spike(s) above the running median of {t.spike_window}"
+                       + (f": at {where}" if spikes else ""))
+
+
+def grad_norm_range(metrics: Metrics, warmup: int, t: Thresholds) -> GateVerdict:
+    rows = kept(metrics)
+    norms = [m.get("grad_norm") for m in rows]
+    bad = [m["iteration"] for m in rows if m.get("grad_norm") is not None and not _finite(m["grad_norm"])]
+    if bad:
+        return GateVerdict("grad_norm", False, {"non_finite_at": bad[:10]}, "finite",
+                           f"non-finite gradient norm at iteration {bad[0]}")
+    after = [m["grad_norm"] for m in rows if m["iteration"] > warmup and _finite(m.get("grad_norm"))]
+    if not after:
+        seen = sum(1 for n in norms if n is not None)
+        return GateVerdict("grad_norm", False, seen, "gradient norms after warm-up",
+                           "no gradient norm reported after the warm-up")
+    median, top = statistics.median(after), max(after)
+    ratio = top / median if median > 0 else math.inf
+    measured = {"min": round(min(after), 5), "median": round(median, 5), "max": round(top, 5),
+                "max_over_median": round(ratio, 3)}
+    passed = ratio <= t.max_grad_norm_ratio
+    return GateVerdict("grad_norm", passed, measured, t.max_grad_norm_ratio,
+                       f"gradient norm {min(after):.3g}..{top:.3g} (median {median:.3g}) after warm-up"
+                       + ("" if passed else f": the largest is {ratio:.1f}x the median (> {t.max_grad_norm_ratio})"))
+
+
+def expert_load(metrics: Metrics, warmup: int, t: Thresholds) -> list[GateVerdict]:
+    """[] for a dense model (no line carries an expert load)."""
+    rows = [m for m in kept(metrics) if m["iteration"] > warmup]
+    loads = [m["moe_load_max"] for m in rows if _finite(m.get("moe_load_max"))]
+    if not any(_finite(m.get("moe_load_max")) for m in kept(metrics)):
+        return []
+    if not loads:
+        return [GateVerdict("expert_load", False, None, t.max_expert_load,
+                            "no expert load reported after the warm-up")]
+    median = statistics.median(loads)
+    verdicts = [GateVerdict("expert_load", median <= t.max_expert_load,
+                            {"median": round(median, 3), "max": round(max(loads), 3), "steps": len(loads)},
+                            t.max_expert_load, f"busiest expert {median:.2f}x the mean (median over {len(loads)} "
+                            f"steps after warm-up, worst layer each step; 1.0 is perfect balance)"
+                            + ("" if median <= t.max_expert_load else f", beyond {t.max_expert_load}"))]
+    dropped = max((m["moe_dropped"] for m in rows if _finite(m.get("moe_dropped"))), default=0.0)
+    verdicts.append(GateVerdict("tokens_dropped", dropped <= t.max_dropped, dropped, t.max_dropped,
+                                f"at most {dropped:.2%} of the routed assignments dropped in a step"))
+    biases = [m["router_bias_absmax"] for m in rows if _finite(m.get("router_bias_absmax"))]
+    if biases:
+        top = max(biases)
+        verdicts.append(GateVerdict("router_bias", top <= t.max_router_bias, round(top, 5), t.max_router_bias,
+                                    f"largest |expert bias| {top:.4f} (drift from 0 after "
+                                    f"{rows[-1]['iteration']} iterations)"
+                                    + ("" if top <= t.max_router_bias else ": it outweighs the router's scores")))
+    return verdicts
+
+
+def soak_training_gates(metrics: Metrics, warmup: int, t: Thresholds) -> list[GateVerdict]:
+    return [loss_trend(metrics, warmup, t), loss_spikes(metrics, warmup, t), grad_norm_range(metrics, warmup, t),
+            *expert_load(metrics, warmup, t)]

@@ -1,0 +1,105 @@
+"""Expert load balance, router bias drift and dropped tokens, per step and per MoE layer, for both engines
+(standard library + torch only; shipped as a file).
+
+Each router adds the tokens it sent to each expert (its routing map, summed over the tokens) while gradients
+are on: a full-recompute's second forward and evaluation passes are not counted twice, as megatron-core's own
+expert-bias counter does. `reduce()` sums the counts over every rank (tensor-parallel ranks that see the same
+tokens scale every expert alike, so max/mean is unchanged), takes each layer's largest |expert bias| (replicated
+across data-parallel ranks: MAX, not SUM) and clears the counts for the next step. Layers are named by their
+global 1-based number; MTP layers come after the decoder's (megatron numbers them so).
+
+    max/mean   the busiest expert's tokens over the mean: 1.0 is perfect balance, E (experts) is one expert
+               taking every token. Computed over the tokens of one global batch.
+    dropped    the fraction of (token, expert) assignments the router did not deliver (a capacity factor
+               drops them); 0 for the dropless dispatchers stepdeploy renders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RouterStats:
+    def __init__(self, slots: int, experts: int, topk: int, device: str) -> None:
+        self.experts, self.topk, self.device = experts, topk, device
+        self.counts = torch.zeros(slots, experts, device=device)
+        self.assigned = torch.zeros(slots, device=device)  # tokens x topk the routers were asked to route
+        self.present = torch.zeros(slots, device=device)  # 1 where this rank holds the layer's router
+        self.bias_of: dict[int, Any] = {}  # slot -> the router's expert bias (None without one)
+
+    def add(self, slot: int, routed: torch.Tensor, tokens: int) -> None:
+        """`routed`: tokens sent to each expert by one forward of the router in layer slot+1."""
+        if torch.is_grad_enabled():
+            self.counts[slot] += routed.to(self.counts.dtype)
+            self.assigned[slot] += tokens * self.topk
+
+    def watch_megatron(self, model: Any) -> int:
+        """Hook every megatron-core TopKRouter of `model`: (probs, routing_map) = router(input). -> routers hooked"""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        hooked = 0
+        for module in model.modules():
+            if isinstance(module, TopKRouter) and module.layer_number is not None:
+                slot = module.layer_number - 1
+                self.present[slot] = 1.0
+                self.bias_of[slot] = module if getattr(module, "enable_expert_bias", False) else None
+                module.register_forward_hook(self._megatron_hook(slot))
+                hooked += 1
+        return hooked
+
+    def _megatron_hook(self, slot: int) -> Any:
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            routing_map = output[1]
+            self.add(slot, routing_map.sum(dim=0), routing_map.shape[0])
+        return hook
+
+    def reduce(self) -> dict[str, Any]:
+        """The step's figures (every rank calls it: collectives), counts cleared."""
+        bias = torch.zeros(self.counts.shape[0], device=self.device)
+        for slot, router in self.bias_of.items():
+            if router is not None and router.expert_bias is not None:
+                bias[slot] = router.expert_bias.detach().abs().max().float()
+        summed = torch.cat([self.counts.flatten(), self.assigned, self.present])
+        if dist.is_initialized():
+            dist.all_reduce(summed)
+            dist.all_reduce(bias, op=dist.ReduceOp.MAX)
+        slots = self.counts.shape[0]
+        counts = summed[:slots * self.experts].view(slots, self.experts)
+        assigned, present = summed[slots * self.experts:-slots], summed[-slots:]
+        self.counts.zero_()
+        self.assigned.zero_()
+        return summarise(counts.cpu(), assigned.cpu(), present.cpu(), bias.cpu(), bool(self.bias_of) and any(
+            r is not None for r in self.bias_of.values()))
+
+
+def summarise(counts: torch.Tensor, assigned: torch.Tensor, present: torch.Tensor, bias: torch.Tensor,
+              has_bias: bool) -> dict[str, Any]:
+    load: dict[str, float] = {}
+    for slot in range(counts.shape[0]):
+        total = float(counts[slot].sum())
+        if present[slot] > 0 and total > 0:
+            load[str(slot + 1)] = round(float(counts[slot].max()) * counts.shape[1] / total, 4)
+    routed, asked = float(counts.sum()), float(assigned.sum())
+    out: dict[str, Any] = {"moe_load": load, "moe_load_max": max(load.values()) if load else None,
+                           "moe_dropped": round(max(0.0, 1.0 - routed / asked), 6) if asked else None}
+    if has_bias:
+        per_layer = {str(s + 1): round(float(bias[s]), 6) for s in range(bias.shape[0]) if present[s] > 0}
+        out |= {"router_bias": per_layer, "router_bias_absmax": max(per_layer.values()) if per_layer else None}
+    return out
+
+
+def mtp_losses(layers: int, micro_batches: int, device: str) -> torch.Tensor:
+    """This rank's MTP losses of the step, one per MTP layer, averaged over its micro-batches (megatron-core's
+    tracker sums them on the last pipeline stage; zeros elsewhere), and the tracker cleared for the next step.
+    The caller averages them over the last-stage ranks, as it does the LM loss."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    if "values" not in tracker:
+        return torch.zeros(layers, device=device)
+    values = tracker["values"].detach().float().clone() / max(micro_batches, 1)
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    return values

@@ -1,0 +1,108 @@
+"""The soak's training gates (rollout/training_gates.py) on given metrics: each passes what a healthy run looks
+like and fails what the issue saw (a flat loss from a ~0 learning rate) or what breaks training."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from stepdeploy.rollout.attempt import metric_rows
+from stepdeploy.rollout.gates import Thresholds
+from stepdeploy.rollout.training_gates import (
+    expert_load,
+    grad_norm_range,
+    kept,
+    loss_spikes,
+    loss_trend,
+    soak_training_gates,
+)
+
+T = Thresholds()
+
+
+def run(losses: list[float], **extra: list) -> list[dict]:
+    lines = [{"iteration": i + 1, "loss": loss, "grad_norm": 1.0} for i, loss in enumerate(losses)]
+    for key, values in extra.items():
+        for line, value in zip(lines, values, strict=True):
+            line[key] = value
+    return lines
+
+
+def noisy_falling(n: int, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    return [6.0 * math.exp(-i / 200) + 2.0 + rng.gauss(0, 0.02) for i in range(n)]
+
+
+def test_the_loss_must_fall_after_warmup_and_a_flat_one_fails_a_short_soak() -> None:
+    falling = loss_trend(run(noisy_falling(100)), warmup=5, t=T)
+    assert falling.passed and falling.measured["first"] > falling.measured["last"]
+    flat = loss_trend(run([10.80] * 100), warmup=5, t=T)  # the issue's soak: lr 5e-11, loss stuck at 10.80
+    assert not flat.passed and "learning rate ~0" in flat.reason
+    few = loss_trend(run([3.0, 2.0, 1.0, 0.5]), warmup=1, t=T)
+    assert not few.passed and "too few" in few.reason
+
+
+def test_a_long_soak_may_plateau_within_the_bound_but_not_rise() -> None:
+    n = T.long_soak_iterations + 10
+    assert loss_trend(run([2.0 + 0.01 * (i % 2) for i in range(n)]), warmup=0, t=T).passed
+    rising = loss_trend(run([2.0 + 0.5 * i / n for i in range(n)]), warmup=0, t=T)
+    assert not rising.passed and "rose" in rising.reason
+
+
+def test_warmup_iterations_are_left_out_of_the_trend() -> None:
+    # falls in warm-up only, then flat: not training after warm-up
+    losses = [10.0 - i for i in range(8)] + [2.0] * 40
+    assert loss_trend(run(losses), warmup=0, t=T).passed
+    assert not loss_trend(run(losses), warmup=8, t=T).passed
+
+
+def test_a_spike_above_the_running_median_is_found_and_noise_is_not() -> None:
+    losses = noisy_falling(120)
+    assert loss_spikes(run(losses), warmup=5, t=T).measured["count"] == 0
+    losses[80] = losses[79] * 1.5
+    spiked = loss_spikes(run(losses), warmup=5, t=T)
+    assert not spiked.passed and [s["iteration"] for s in spiked.measured["spikes"]] == [81]
+    # a spike inside the warm-up is not judged
+    assert loss_spikes(run(losses), warmup=100, t=T).passed
+
+
+def test_gradient_norm_range_after_warmup() -> None:
+    norms = [50.0] + [1.0 + 0.1 * (i % 3) for i in range(59)]  # large at the start: warm-up
+    ok = grad_norm_range(run([2.0] * 60, grad_norm=norms), warmup=3, t=T)
+    assert ok.passed and ok.measured["max"] == 1.2
+    assert not grad_norm_range(run([2.0] * 60, grad_norm=norms), warmup=0, t=T).passed  # 50 / 1.1 > 10
+    bad = grad_norm_range(run([2.0] * 4, grad_norm=[1.0, math.inf, 1.0, 1.0]), warmup=0, t=T)
+    assert not bad.passed and bad.reason == "non-finite gradient norm at iteration 2"
+
+
+def test_expert_load_dropped_tokens_and_router_bias_after_warmup() -> None:
+    lines = run([2.0] * 30, moe_load_max=[9.0] * 5 + [1.6] * 25, moe_dropped=[0.0] * 30,
+                router_bias_absmax=[0.001 * i for i in range(30)])
+    verdicts = {v.gate: v for v in expert_load(lines, warmup=5, t=T)}
+    assert all(v.passed for v in verdicts.values()) and verdicts["expert_load"].measured["median"] == 1.6
+    assert verdicts["router_bias"].measured == 0.029
+    settling = run([2.0] * 30, moe_load_max=[9.0] * 20 + [1.6] * 10)  # balanced only once warm-up is over
+    assert expert_load(settling, warmup=20, t=T)[0].passed and not expert_load(settling, warmup=0, t=T)[0].passed
+    skewed = run([2.0] * 30, moe_load_max=[6.0] * 30, moe_dropped=[0.0] * 29 + [0.01],
+                 router_bias_absmax=[2.0] * 30)
+    failed = {v.gate for v in expert_load(skewed, warmup=5, t=T) if not v.passed}
+    assert failed == {"expert_load", "tokens_dropped", "router_bias"}
+    assert expert_load(run([2.0] * 30), warmup=5, t=T) == []  # a dense model
+
+
+def test_redone_iterations_count_once_as_their_last_run() -> None:
+    # killed at 12, resumed from the checkpoint at 10: iterations 11 and 12 ran twice
+    first = run([5.0 - 0.1 * i for i in range(12)])
+    first[-1]["loss"] = math.nan  # the killed attempt's last line
+    again = [{"iteration": i, "loss": 5.0 - 0.1 * (i - 1), "grad_norm": 1.0} for i in range(11, 31)]
+    lines = kept(first + again)
+    assert [m["iteration"] for m in lines] == list(range(1, 31)) and not math.isnan(lines[11]["loss"])
+    assert all(v.passed for v in soak_training_gates(first + again, warmup=2, t=T))
+
+
+def test_per_layer_metrics_reach_the_ledger_as_named_rows() -> None:
+    line = {"iteration": 7, "time": 100.0, "loss": 2.0, "moe_load_max": 1.5, "moe_load": {"2": 1.2, "3": 1.5},
+            "router_bias": {"2": 0.01}, "mtp_loss": [2.5]}
+    rows = {(name, value) for _ts, _rank, _it, name, value in metric_rows([line], ("loss", "moe_load_max"))}
+    assert rows == {("loss", 2.0), ("moe_load_max", 1.5), ("moe_load/2", 1.2), ("moe_load/3", 1.5),
+                    ("router_bias/2", 0.01), ("mtp_loss/1", 2.5)}
