@@ -1,7 +1,8 @@
 """`stepdeploy demo`: the whole path on the embedded simulated cluster, as the commands a user would type.
 
 sim up -> inventory show -> provision -> preflight -> plan -> (render -> run launch -> run logs -> run stop:
-a run by hand) -> rollout (warmup, scale, a short soak) -> report -> sim down. Each step runs the real
+a run by hand) -> data prepare (this checkout's docs) -> rollout on that data (warmup, scale, a short soak) ->
+report -> sim down. Each step runs the real
 CLI in a subprocess and prints the command first, so the demo is also the tutorial.
 """
 
@@ -21,6 +22,8 @@ from stepdeploy.sim.cluster import SimConfig
 # The simulated nodes share this machine's cores: two ranks cannot scale like two GPUs, so the demo's
 # scaling gate is set for that (a real cluster keeps the default 0.7); small sequences keep it quick.
 SEED_INVENTORY = Path(__file__).resolve().parents[2] / "inventory" / "dgx.ini"
+# the rollout trains on real text: this checkout's own docs, tokenized byte-level (nothing downloaded)
+DEMO_TEXT = [Path(__file__).resolve().parents[2] / "README.md", Path(__file__).resolve().parents[2] / "docs"]
 WAIT: list[str] = []  # a pause between launching the hand-rendered run and reading its logs
 LAUNCH_SECONDS = 20
 DEMO_ROLLOUT = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "5", "--scale-iterations", "10",
@@ -35,10 +38,12 @@ def demo(
 ) -> None:
     """Run the whole pipeline on the embedded simulated cluster (needs root; the first run builds the node
     image, a few minutes): sim up, inventory, provision, preflight, plan, render + run launch/logs/stop,
-    rollout, report, sim down."""
+    data prepare, rollout on that data, report, sim down."""
     inv = str(SimConfig().inventory)
     stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
     run_dir, launch_dir = runs / f"demo-{stamp}", runs / f"demo-launch-{stamp}"
+    corpus = runs / f"demo-data-{stamp}" / "corpus"
+    corpus.parent.mkdir(parents=True, exist_ok=True)
     steps = [
         ["sim", "up", "--nodes", str(nodes)],
         ["inventory", "show", inv],
@@ -53,8 +58,9 @@ def demo(
         WAIT,
         ["run", "logs", str(launch_dir), "--tail", "3"],
         ["run", "stop", str(launch_dir)],
+        ["data", "prepare", *[str(p) for p in DEMO_TEXT], "--out", str(corpus)],
         ["rollout", "run", "-i", inv, "--model", "tiny-moe", "--soak-duration", soak, *DEMO_ROLLOUT,
-         "--run-dir", str(run_dir)],
+         "--data", str(corpus), "--run-dir", str(run_dir)],
         ["report", str(run_dir), "--html", str(run_dir / "report.html")],
     ]
     started = time.monotonic()
