@@ -62,3 +62,11 @@ def test_cpu_node_gets_gloo_interface_and_no_cuda_settings() -> None:
 def test_extra_env_wins_over_derived_values() -> None:
     env, _ = env_of(SPARK, extra_env=(("NCCL_IB_TIMEOUT", "18"),))
     assert env["NCCL_IB_TIMEOUT"] == "18"
+
+
+def test_compile_caches_live_in_the_run_directory_not_in_tmp() -> None:
+    env, _ = env_of(SPARK)
+    run_dir = RenderOptions(run_id="r").run_dir
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{run_dir}/cache/inductor"
+    assert env["TRITON_CACHE_DIR"] == f"{run_dir}/cache/triton"
+    assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith("/tmp")

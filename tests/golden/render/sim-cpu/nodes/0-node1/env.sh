@@ -20,5 +20,9 @@ export NCCL_IB_DISABLE=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 # torch's NCCL watchdog: kill a rank whose collectives made no progress for this long
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=480
+# torch.compile's caches in the run directory, not /tmp/torchinductor_<user> (world-writable,
+# a predictable name): a restart of the run reuses the kernels compiled before it
+export TORCHINDUCTOR_CACHE_DIR=/var/lib/stepdeploy/runs/golden-cpu/cache/inductor
+export TRITON_CACHE_DIR=/var/lib/stepdeploy/runs/golden-cpu/cache/triton
 # CPU node: threads per rank
 export OMP_NUM_THREADS=1
