@@ -56,6 +56,11 @@ def test_failing_gate_stops_then_resume_completes_and_report_renders(cluster: Si
     first_rung = [a["status"] for a in attempts if a["rung"] == "proxy-1-gpu"]
     assert first_rung == ["failed", "passed"]
     assert any(e["kind"] == "config" and "max_step_time_s" in e["message"] for e in led.events("gated"))
+    # an MoE target: MoE proxies on the ladder, and the soak's expert load judged
+    assert {a["rung"] for a in attempts if a["stage"] == "scale"} == {"proxy-1-gpu", "proxy-all-nodes"}
+    soak_gates = {v["gate"]: v["passed"] for v in led.verdicts("gated") if v["stage"] == "soak"}
+    assert soak_gates.get("expert_load") is True and soak_gates.get("tokens_dropped") is True, soak_gates
+    assert [m["name"] for m in led.metrics("gated", "moe_load_max")], "no expert load in the ledger"
     assert processes_of(cluster, "gated") == {"node1": "", "node2": ""}
 
     report = _cli("report", str(run), "--html", str(run / "report.html"), cwd=tmp_path)

@@ -79,6 +79,15 @@ def test_soak_without_faults_raises_no_alarm(cluster: SimConfig, tmp_path: Path)
     alarms = [e for e in events if e["kind"] == "monitor" and e["data"].get("severity") == "fail"]
     assert alarms == []
     assert [a["status"] for a in led.attempts("quiet", "soak")] == ["passed"]
+    # it trained: a schedule sized from the soak's length, the loss fell after the warm-up, gradient norms in range
+    schedule = next(e["data"] for e in events if e["kind"] == "schedule")
+    assert 1 <= schedule["warmup_iterations"] < schedule["decay_iterations"]
+    verdicts = {v["gate"]: v for v in led.verdicts("quiet") if v["stage"] == "soak"}
+    assert verdicts["loss_trend"]["passed"] and verdicts["grad_norm"]["passed"], verdicts
+    assert verdicts["loss_spikes"]["passed"] and "expert_load" not in verdicts  # a dense model
+    lrs = [m["value"] for m in led.metrics("quiet", "lr")]
+    # the model's peak rate, decayed by the cosine towards a tenth of it: not a constant near-zero rate
+    assert max(lrs) == 3e-3 and 3e-4 - 1e-12 <= min(lrs) < max(lrs) / 5, lrs
     rounds = (run / "monitor" / "stepdeploy.prom").read_text()
     assert 'stepdeploy_train_iteration{Hostname="node1"}' in rounds
     assert processes_of(cluster, "quiet-soak") == {"node1": "", "node2": ""}

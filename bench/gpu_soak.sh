@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The soak issue's check on one H200, through the product (`stepdeploy rollout run` over SSH to the box itself,
+# bench/gpu_node.sh): an MoE target (the Step-3.5-Flash slice) rolled out on a dataset `stepdeploy data prepare` made
+# from this checkout's docs -- the ladder's MoE proxy, the target judged by MFU against its plan, a soak judged on its
+# loss trend, gradient norms and expert load -- then the dense proxy's soak with a rank killed after its first
+# checkpoint (restart cost, goodput). Ledgers, fetched files (not checkpoints) and reports land in $OUT.
+#
+#   OUT=/tmp/out bash bench/gpu_soak.sh .debs .whl      # the device machine's $OUT
+set -uo pipefail
+debs=$1 wheels=$2
+out=${OUT:?set OUT}
+node=/tmp/node
+bash bench/gpu_node.sh "$debs" "$wheels" "$node" > "$out/node.log" 2>&1 || { tail -20 "$out/node.log"; exit 1; }
+# shellcheck disable=SC1091
+source "$node/env.sh"
+inv=$node/inventory.ini
+
+python3 -m stepdeploy data prepare README.md docs --out /tmp/corpus --json > "$out/data.json" 2> "$out/data.log"
+
+rollout() {  # NAME SECONDS ARGS...: one rollout, its report, its ledger and fetched files
+    local name=$1 seconds=$2; shift 2
+    local started=$SECONDS
+    timeout "$seconds" python3 -m stepdeploy rollout run -i "$inv" --run-dir "/tmp/$name" "$@" > "$out/$name.log" 2>&1
+    echo "exit $? after $((SECONDS - started)) s" >> "$out/$name.log"
+    python3 -m stepdeploy report "/tmp/$name" --html "/tmp/$name/report.html" > "$out/$name-report.txt" 2>&1
+    python3 -m stepdeploy report "/tmp/$name" --json > "$out/$name-report.json" 2>/dev/null
+    tar -czf "$out/$name.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' "$name"
+}
+
+rollout moe 240 -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak --warmup-iterations 6 \
+    --scale-iterations 10 --soak-duration 60s --checkpoint-interval 100000 --data /tmp/corpus
+rollout dense 200 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 120s \
+    --checkpoint-interval 40 --inject kill:rank=last@75s
+tail -3 "$out/moe.log" "$out/dense.log"
