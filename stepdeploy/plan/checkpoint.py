@@ -74,6 +74,12 @@ def estimated_save_s(bytes_per_node: float) -> float:
     return bytes_per_node / WRITE_BYTES_PER_S
 
 
+def estimated_save(params: int, gpus_per_node: int, nodes: int) -> tuple[float, str]:
+    """(seconds a save blocks, where the figure comes from) for a model of `params` parameters."""
+    per_node = checkpoint_bytes_per_node(params, gpus_per_node, nodes)
+    return estimated_save_s(per_node), f"estimated: {per_node / 1e9:.3g} GB per node, {WRITE_SOURCE}"
+
+
 @dataclass(frozen=True)
 class CheckpointInterval:
     """The resolved interval and every input it came from (each input says where it came from)."""
@@ -114,7 +120,7 @@ def resolve(save_s: float, save_source: str, step_s: float, step_source: str, gp
 
 
 def _duration(seconds: float) -> str:
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+    for unit, size in (("years", 365.25 * 86400.0), ("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
         if seconds >= size:
             return f"{seconds / size:.3g} {unit}"
     return f"{seconds:.3g} s"

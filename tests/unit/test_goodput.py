@@ -155,3 +155,35 @@ def test_the_live_ratio_from_fetched_lines_and_polled_ones() -> None:
     live.observe({"iteration": 20, "step_time_s": 2.0, "loss": 3.0})
     live.observe({"iteration": None})
     assert live.ratio(2100.0) == pytest.approx(0.43) and live.ratio(2000.0) is None
+
+
+class _QuietMonitor:
+    """A monitor that finds nothing (the soak's Watch asks it every poll)."""
+
+    def __init__(self) -> None:
+        self.findings: list = []
+
+    def maybe_collect(self, status: object, now: float) -> list:
+        return []
+
+    def proc_states(self) -> dict:
+        return {}
+
+
+def test_every_poll_updates_the_live_ratio_and_the_view_shows_it() -> None:
+    import time
+    from types import SimpleNamespace
+
+    from stepdeploy.remote.executor import NodeStatus, RankStatus, RunStatus
+    from stepdeploy.rollout.attempt import Live
+    from stepdeploy.rollout.soak import Watch
+    from stepdeploy.rollout.view import figures
+
+    live = Live(stage="soak", rung="target", last={"iteration": 4, "step_time_s": 2.0, "loss": 3.5})
+    r = SimpleNamespace(live=live, config=SimpleNamespace(heartbeat_timeout_s=180.0))
+    watch = Watch(r, _QuietMonitor(), None, LiveGoodput(time.time() - 20.0, []))  # type: ignore[arg-type]
+    healthy = RunStatus((NodeStatus("node1", "running", None, (RankStatus(0, "node1", 7, "running", iteration=4,
+                                                                          heartbeat_age_s=1.0),)),))
+    assert watch.check(healthy) is None
+    assert live.goodput == pytest.approx(8.0 / 20.0, abs=0.01)  # iterations 1-4 at 2 s in 20 s
+    assert figures(live) == "loss 3.5000, step 2.000 s, goodput 40%"
