@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -65,3 +66,34 @@ def test_at_least_one_iteration_and_positive_inputs() -> None:
     assert checkpoint.resolve(0.01, "m", 100.0, "s", 1, mtbf_s=1.0).iterations == 1
     with pytest.raises(ValueError, match="positive"):
         checkpoint.resolve(0.0, "m", 1.0, "s", 1)
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from stepdeploy.cli.app import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "-m", "proxy-0.7b-dense", "--nodes", "2", "--gpus-per-node", "8", "--gpu", "H200", *args])
+    captured = capsys.readouterr()
+    return int(exit_info.value.code or 0), captured.out, captured.err
+
+
+def test_plan_shows_the_interval_of_the_best_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _plan(capsys, "--top", "2", "--json")
+    data = json.loads(out)
+    best, interval = data["fitting"][0], data["checkpoint_interval"]
+    assert code == 0 and interval["gpus"] == 16 and interval["step_s"] == best["step"]["seconds"]
+    # 738,248,704 parameters x 14 B over 2 nodes, at 0.8 GB/s; Llama 3's rate for 16 GPUs
+    assert interval["save_s"] == pytest.approx(738_248_704 * 14 / 2 / 0.8e9)
+    assert interval["mtbf_s"] == pytest.approx(checkpoint.GPU_MTBF_S / 16)
+    assert interval["iterations"] == round(checkpoint.daly_interval_s(interval["save_s"], interval["mtbf_s"])
+                                           / interval["step_s"])
+    code, out, _ = _plan(capsys, "--top", "2", "--mtbf", "6h", "--json")
+    assert json.loads(out)["checkpoint_interval"]["mtbf_s"] == 21600.0
+    code, out, _ = _plan(capsys, "--top", "2", "--layout", "tp=8,pp=1", "--mtbf", "6h")
+    line = next(line for line in out.splitlines() if line.startswith("Checkpoint interval"))
+    assert "the planner's step for tp=8" in line and "MTBF of 6 h for 16 GPU(s), given (--mtbf)" in line
+
+
+def test_plan_refuses_a_bad_mtbf(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _plan(capsys, "--mtbf", "soon")
+    assert code == 2 and out == "" and err.startswith("error: --mtbf duration 'soon' is not like 90s")
