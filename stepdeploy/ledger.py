@@ -223,6 +223,10 @@ class Ledger:
             db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?)",
                            [(run_id, attempt_id, *row) for row in rows])
 
+    def metric_names(self, run_id: str) -> list[str]:
+        rows = self.db.execute("SELECT DISTINCT name FROM metrics WHERE run_id = ? ORDER BY name", (run_id,))
+        return [r["name"] for r in rows]
+
     def metrics(self, run_id: str, name: str) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND name = ? ORDER BY ts, rank",
                                (run_id, name))

@@ -13,9 +13,10 @@ from rich.console import Console
 
 from stepdeploy.catalog import load_hardware, load_model
 from stepdeploy.cli.output import emit_json, info, out
+from stepdeploy.cli.rollout import parse_mtbf
 from stepdeploy.errors import EXIT_FAILED, BadInput
 from stepdeploy.inventory import load_cluster
-from stepdeploy.plan import report
+from stepdeploy.plan import checkpoint, report
 from stepdeploy.plan.cluster import ClusterShape, cluster_shape, shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, parse_layout
 from stepdeploy.plan.params import count_parameters
@@ -115,12 +116,15 @@ def plan(
     top: int = typer.Option(10, "--top", "-k", min=1, help="How many fitting layouts to show."),
     margin: float = typer.Option(0.10, "--margin", min=0.0, max=0.9, help="Memory kept free, as a fraction."),
     explain: bool = typer.Option(False, "--explain", help="Show the per-layer parameter breakdown."),
+    mtbf: str | None = typer.Option(None, "--mtbf", help="The job's mean time between failures for the checkpoint "
+                                    "interval, e.g. 6h (default: Llama 3's failure rate per GPU x the GPUs)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON to stdout."),
 ) -> None:
     """Rank parallel layouts by memory and step time; say why every rejected one cannot work."""
     if explain and not (inventory or nodes):
         _explain(model, as_json)
         return
+    mtbf_s = parse_mtbf(mtbf)
     spec, hardware = load_model(model), load_hardware()
     cluster = _cluster(inventory, nodes, gpus_per_node, gpu, link)
     seq_length, global_batch = seq or spec.training.seq_length, gbs or spec.training.global_batch_size
@@ -138,22 +142,40 @@ def plan(
         result.smallest_fit = smallest_fitting_cluster(
             spec, cluster, hardware, seq_length, global_batch, margin
         )
-    _emit(result, given, top, as_json)
+    interval = _checkpoint_interval(params.total, result, given, mtbf_s)
+    _emit(result, given, top, as_json, interval)
     if not (given.fits if given else result.fitting):
         raise typer.Exit(EXIT_FAILED)
 
 
-def _emit(result: PlanResult, given: Any, top: int, as_json: bool) -> None:
+def _checkpoint_interval(params: int, result: PlanResult, given: Any, mtbf_s: float | None
+                         ) -> checkpoint.CheckpointInterval | None:
+    """What `rollout run --checkpoint-interval auto` would start from for the layout given (if it fits) or the
+    best one: the planner's step time and checkpoint size, the cluster's GPUs."""
+    verdict = given if given is not None and given.fits else next(iter(result.fitting), None)
+    if verdict is None or verdict.time is None:
+        return None
+    shape = result.cluster
+    save_s, save_source = checkpoint.estimated_save(params, shape.gpus_per_node, shape.nodes)
+    return checkpoint.resolve(save_s, save_source, verdict.time.seconds,
+                              f"the planner's step for {verdict.layout.short()}", shape.world, mtbf_s)
+
+
+def _emit(result: PlanResult, given: Any, top: int, as_json: bool,
+          interval: checkpoint.CheckpointInterval | None) -> None:
     if as_json:
         data = report.result_dict(result, top)
         if given:
             data = {"layout": report.verdict_dict(given, result.job), "alternatives": data}
-        emit_json(data)
+        emit_json({**data, "checkpoint_interval": interval.to_json() if interval else None})
         return
     if given:
         _print_layout_verdict(result.job, given, result.cluster)
         out.print("Feasible alternatives on the same cluster:" if result.fitting else "", markup=False)
     _print_result(result, top)
+    if interval is not None:
+        out.print(f"Checkpoint interval (Young/Daly, what --checkpoint-interval auto starts from): "
+                  f"{interval.describe()}", markup=False)
 
 
 __all__ = ["Layout", "plan"]

@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.live import Live as RichLive
@@ -16,9 +17,10 @@ from stepdeploy import corpus
 from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory import load_cluster
+from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
 from stepdeploy.rollout import gates
-from stepdeploy.rollout.config import RolloutConfig, StageFailed
+from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, parse_checkpoint_interval
 from stepdeploy.rollout.inject import parse_all as parse_injections
 from stepdeploy.rollout.ladder import parse_stages, scale_ladder, target_rung
 
@@ -28,11 +30,21 @@ RUN = typer.Argument(..., help="The run directory (holds ledger.sqlite).")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)?$")
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, option: str | None = None) -> float:
     match = _DURATION.match(text.strip())
     if not match:
-        raise BadInput(f"duration {text!r} is not like 90s, 5m, 72h or 3d")
+        raise BadInput(f"{option + ' ' if option else ''}duration {text!r} is not like 90s, 5m, 72h or 3d")
     return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2) or "s"]
+
+
+def parse_mtbf(text: str | None) -> float | None:
+    """`--mtbf DURATION`: the job's mean time between failures (None: not given)."""
+    if text is None:
+        return None
+    seconds = parse_duration(text, "--mtbf")
+    if seconds <= 0:
+        raise BadInput("--mtbf must be longer than 0 s")
+    return seconds
 
 
 @app.command("run", epilog="Example: stepdeploy rollout run -i inventory/dgx.ini --model step-3.5-flash "
@@ -42,7 +54,11 @@ def run_cmd(
     model: str = typer.Option(..., "--model", "-m", help="Target catalog model."),
     stages: str = typer.Option("warmup,scale,soak", "--stages", help="Comma-separated: warmup,scale,soak."),
     soak_duration: str = typer.Option("72h", "--soak-duration", help="e.g. 90s, 10m, 72h."),
-    checkpoint_interval: int = typer.Option(20, "--checkpoint-interval", min=1, help="Soak: checkpoint every N steps."),
+    checkpoint_interval: str = typer.Option("20", "--checkpoint-interval", help="Soak: checkpoint every N steps, or "
+                                            "auto (Young/Daly's interval from the measured save stall and --mtbf)."),
+    mtbf: str | None = typer.Option(None, "--mtbf", help="With --checkpoint-interval auto: the job's mean time "
+                                    "between failures, e.g. 6h (default: Llama 3's failure rate per GPU x the "
+                                    "cluster's GPUs)."),
     warmup_iterations: int = typer.Option(10, "--warmup-iterations", min=1),
     scale_iterations: int = typer.Option(30, "--scale-iterations", min=2),
     layout: str | None = typer.Option(None, "--layout", help="Target layout (default: the planner's best)."),
@@ -70,7 +86,8 @@ def run_cmd(
     """Start a rollout. Exit 0 all stages passed, 1 a gate failed (resume with `rollout resume RUN`)."""
     config = RolloutConfig(inventory=str(Path(inventory).resolve()), model=model, stages=parse_stages(stages),
                            layout=layout, warmup_iterations=warmup_iterations, scale_iterations=scale_iterations,
-                           soak_duration_s=parse_duration(soak_duration), checkpoint_interval=checkpoint_interval,
+                           soak_duration_s=parse_duration(soak_duration),
+                           checkpoint_interval=parse_checkpoint_interval(checkpoint_interval), mtbf_s=parse_mtbf(mtbf),
                            pg_timeout_s=pg_timeout, seq_length=seq, global_batch_size=gbs,
                            executor=executor, inject=tuple(inject),
                            heartbeat_timeout_s=parse_duration(heartbeat_timeout),
@@ -87,6 +104,9 @@ def run_cmd(
         raise BadInput(f"--executor {executor!r} is not an executor; use fabric or slurm")
     if config.inject and "soak" not in config.stages:
         raise BadInput("--inject acts during the soak; add soak to --stages")
+    if config.mtbf_s is not None and config.checkpoint_interval != AUTO:
+        raise BadInput("--mtbf is what --checkpoint-interval auto computes the interval from",
+                       hint="add --checkpoint-interval auto, or drop --mtbf")
     run_id = (run_dir.name if run_dir else f"{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     run_dir = run_dir or Path("runs") / run_id
     if dry_run:
@@ -279,6 +299,8 @@ def _print_plan(config: RolloutConfig) -> None:
                         "monitor_interval_s": config.monitor_interval_s,
                         "gates": ["no_unrecovered_failure", "loss_finite"],
                         "inject": [i.to_json() for i in parse_injections(config.inject)]}
+        if config.checkpoint_interval == AUTO:
+            plan["soak"] |= _auto_interval(cluster, config)
     plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
                         "(torchrun; see `stepdeploy render`)")
     if (config.executor or cluster.executor) == "slurm":
@@ -287,3 +309,17 @@ def _print_plan(config: RolloutConfig) -> None:
                             f"{cluster.slurm.tasks}: the node's launch.sh or one rank per GPU); squeue/sacct to "
                             "follow, scancel to stop")
     out.print(json.dumps(plan, indent=2), markup=False)
+
+
+def _auto_interval(cluster: Cluster, config: RolloutConfig) -> dict[str, Any]:
+    """The interval `auto` gives before anything is measured; the soak resolves it again when it starts."""
+    from stepdeploy.rollout import checkpoint_interval
+    from stepdeploy.rollout.soak import soak_schedule
+
+    interval = checkpoint_interval.for_dry_run(cluster, config)
+    expected = soak_schedule(config.soak_duration_s, interval.step_s, interval.step_source).expected
+    return {"checkpoint_interval": interval.iterations,
+            "checkpoint_interval_auto": {**interval.to_json(), "describe": interval.describe(),
+                                         "warning": checkpoint_interval.longer_than_the_soak(interval, expected),
+                                         "note": "resolved again when the soak starts, from the save stall and step "
+                                                 "time the warm-up and scale stages measured"}}

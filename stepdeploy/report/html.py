@@ -17,7 +17,7 @@ import jinja2
 from stepdeploy.render.templating import TEMPLATES_DIR
 from stepdeploy.report import terminal
 from stepdeploy.report.plots import Plot, write_plots
-from stepdeploy.report.summary import RunData, Summary, is_fault
+from stepdeploy.report.summary import RunData, Summary, goodput_rows, is_fault
 
 TEMPLATE = "report.html.j2"
 
@@ -39,6 +39,8 @@ def render_html(summary: Summary, plots: list[Plot], *, generated: float) -> str
         figures=summary.figures,
         plots=[{"file": p.path.name, "title": p.title, "caption": p.caption} for p in plots],
         notable=summary.notable_events(),
+        goodput=goodput_rows(summary.goodput) if summary.goodput else [],
+        goodput_title=terminal.goodput_title(summary.goodput) if summary.goodput else "",
         is_fault=is_fault,
         config=json.dumps(summary.config, indent=2, sort_keys=True, default=str),
         generated=generated,

@@ -61,15 +61,23 @@ class TimeAxis:
         return (ts - self.origin) / self.scale
 
 
+Drawer = Callable[[RunData, Axes, "TimeAxis"], bool]
+
+
 def write_plots(data: RunData, out_dir: Path, prefix: str) -> list[Plot]:
     """Draw every plot that has data into out_dir/<prefix>-<name>.png; return those written, in order."""
+    # the training-metric and goodput plots build on this module's helpers: imported here, not at the top
+    from stepdeploy.report import plots_training as training
+
     axis = TimeAxis.for_run(data)
-    drawers: list[tuple[str, str, str, Callable[[RunData, Axes, TimeAxis], bool]]] = [
+    drawers: list[tuple[str, str, str, Drawer]] = [
         ("loss", "Loss", "training loss of every attempt, coloured by stage/rung", _loss),
         ("tokens", "Throughput", "tokens/s of every attempt, coloured by stage/rung", _tokens),
+        *training.TRAINING_PLOTS,
         ("rank_step_time", "Per-rank step time", RANK_CAPTION, _rank_step_time),
         ("memory", "GPU memory", "allocated, reserved and peak GPU memory (GiB, the fullest rank)", _memory),
         ("timeline", "Timeline", "stages, attempts (bars), gate verdicts and faults over time", _timeline),
+        training.GOODPUT_PLOT,
     ]
     plots = []
     for name, title, caption, draw in drawers:
@@ -78,15 +86,16 @@ def write_plots(data: RunData, out_dir: Path, prefix: str) -> list[Plot]:
         if not draw(data, ax, axis):
             continue
         ax.set_title(title, loc="left", fontsize=11)
-        ax.set_xlabel(axis.label)
-        ax.set_xlim(0, axis(axis.end) * 1.02)  # room for a marker at the very end
+        if name not in training.UNTIMED:
+            ax.set_xlabel(axis.label)
+            ax.set_xlim(0, axis(axis.end) * 1.02)  # room for a marker at the very end
         path = out_dir / f"{prefix}-{name}.png"
         figure.savefig(path)
         plots.append(Plot(name, title, path, caption))
     return plots
 
 
-def _shade_stages(data: RunData, ax: Axes, axis: TimeAxis) -> None:
+def shade_stages(data: RunData, ax: Axes, axis: TimeAxis) -> None:
     for i, stage in enumerate(data.stages):
         start, end = stage_span(data, stage)
         if start is None or end is None:
@@ -112,7 +121,7 @@ def _max_over_ranks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(steps.values(), key=lambda r: r["ts"])
 
 
-def _legend(ax: Axes, **kwargs: Any) -> None:
+def legend(ax: Axes, **kwargs: Any) -> None:
     """Outside the plot, on the right: it never hides a curve, and every plot keeps the same width."""
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), **kwargs)
 
@@ -123,37 +132,37 @@ def _segment_colors(data: RunData) -> dict[tuple[str, str], Any]:
     return dict(zip(segments, palette, strict=True))
 
 
-def _per_attempt(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+def per_attempt(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     grouped: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         grouped[row["attempt_id"]].append(row)
     return grouped
 
 
-def _by_segment(data: RunData, ax: Axes, axis: TimeAxis, name: str, ylabel: str) -> bool:
+def by_segment(data: RunData, ax: Axes, axis: TimeAxis, name: str, ylabel: str) -> bool:
     rows = [r for r in data.metrics.get(name, []) if r["attempt_id"] in data.segment_of]
     if not rows:
         return False
-    _shade_stages(data, ax, axis)
+    shade_stages(data, ax, axis)
     colors, labelled = _segment_colors(data), set()
     marker = "." if len(rows) < 150 else None
-    for attempt_id, points in _per_attempt(_lowest_rank(rows)).items():
+    for attempt_id, points in per_attempt(_lowest_rank(rows)).items():
         segment = data.segment_of[attempt_id]
         label = None if segment in labelled else plain("/".join(segment))
         labelled.add(segment)
         ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color=colors[segment],
                 label=label, marker=marker, linewidth=1.3)
     ax.set_ylabel(ylabel)
-    _legend(ax)
+    legend(ax)
     return True
 
 
 def _loss(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
-    return _by_segment(data, ax, axis, "loss", "loss")
+    return by_segment(data, ax, axis, "loss", "loss")
 
 
 def _tokens(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
-    drawn = _by_segment(data, ax, axis, "tokens_per_s", "tokens/s")
+    drawn = by_segment(data, ax, axis, "tokens_per_s", "tokens/s")
     ax.set_ylim(bottom=0)
     return drawn
 
@@ -162,23 +171,23 @@ def _rank_step_time(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
     rows = [r for r in data.metrics.get("rank_step_time_s", []) if r["attempt_id"] in data.segment_of]
     if not rows:
         return False
-    _shade_stages(data, ax, axis)
+    shade_stages(data, ax, axis)
     ranks = sorted({r["rank"] for r in rows})
     if len(ranks) > MAX_RANK_LINES:
         _rank_band(rows, ax, axis)
     else:
         for rank in ranks:
-            for i, points in enumerate(_per_attempt([r for r in rows if r["rank"] == rank]).values()):
+            for i, points in enumerate(per_attempt([r for r in rows if r["rank"] == rank]).values()):
                 ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color=f"C{rank % 10}",
                         label=f"rank {rank}" if i == 0 else None, linewidth=1.0)
     ax.set_ylabel("step time (s)")
-    _legend(ax)
+    legend(ax)
     return True
 
 
 def _rank_band(rows: list[dict[str, Any]], ax: Axes, axis: TimeAxis) -> None:
     """Many ranks: the spread per step (per attempt, so a restart leaves a gap) and the slowest rank's line."""
-    for i, attempt_rows in enumerate(_per_attempt(rows).values()):
+    for i, attempt_rows in enumerate(per_attempt(rows).values()):
         steps: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for row in attempt_rows:
             steps[row["iteration"]].append(row)
@@ -190,7 +199,7 @@ def _rank_band(rows: list[dict[str, Any]], ax: Axes, axis: TimeAxis) -> None:
         ax.plot(x, [v[len(v) // 2] for v in values], color="C0", label="median rank" if i == 0 else None)
     _, slowest = rank_skew(rows)
     if slowest is not None:
-        for i, points in enumerate(_per_attempt([r for r in rows if r["rank"] == slowest]).values()):
+        for i, points in enumerate(per_attempt([r for r in rows if r["rank"] == slowest]).values()):
             ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color="#d62728", linewidth=1.0,
                     label=f"slowest: rank {slowest}" if i == 0 else None)
 
@@ -200,16 +209,16 @@ def _memory(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
     drawn = False
     for i, (label, name) in enumerate(series.items()):
         rows = [r for r in data.metrics.get(name, []) if r["attempt_id"] in data.segment_of]
-        for j, points in enumerate(_per_attempt(_max_over_ranks(rows)).values()):
+        for j, points in enumerate(per_attempt(_max_over_ranks(rows)).values()):
             if not drawn:
-                _shade_stages(data, ax, axis)
+                shade_stages(data, ax, axis)
             drawn = True
             ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color=f"C{i}",
                     label=label if j == 0 else None, linewidth=1.2)
     if drawn:
         ax.set_ylabel("GiB")
         ax.set_ylim(bottom=0)
-        _legend(ax)
+        legend(ax)
     return drawn
 
 
@@ -229,7 +238,7 @@ def _timeline(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
     handles += [Line2D([], [], color="#2ca02c", marker="^", linestyle="", label="gate passed"),
                 Line2D([], [], color="#d62728", marker="X", linestyle="", label="gate failed"),
                 Line2D([], [], color="#ff7f0e", marker="D", linestyle="", label="fault")]
-    _legend(ax, handles=handles)
+    legend(ax, handles=handles)
     return True
 
 

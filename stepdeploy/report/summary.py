@@ -23,9 +23,12 @@ METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_
 # per-layer metrics of MoE models ({layer: value} in a metrics line): ledger rows named "<name>/<layer>"; the MTP
 # losses ([one per MTP layer]): "mtp_loss/<k>" (k from 1)
 LAYER_METRICS = ("moe_load", "router_bias")
-# Informational kinds the ledger and the rollout controller write; anything else (failure, restart, fault
-# injection, monitor breaches) counts as a fault/notice.
-LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate", "warmup", "config", "stop")
+MTP_LOSS = "mtp_loss"
+# Informational kinds the ledger and the rollout controller write (the soak's learning-rate schedule, its
+# resolved checkpoint interval and its goodput included); anything else (failure, restart, fault injection,
+# monitor breaches) counts as a fault/notice.
+LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate", "warmup", "config", "stop", "schedule", "checkpoint",
+                      "goodput")
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,12 @@ class RunData:
 
 def read_run(ledger: Ledger, run_id: str) -> RunData:
     stages = ledger.stages(run_id)
+    per_layer = [n for n in ledger.metric_names(run_id) if n.split("/")[0] in (*LAYER_METRICS, MTP_LOSS) and "/" in n]
     return RunData(run=ledger.run(run_id), stages=stages,
                    rungs={s.name: ledger.rungs(run_id, s.name) for s in stages},
                    attempts=ledger.attempts(run_id), verdicts=ledger.verdicts(run_id),
-                   events=ledger.events(run_id), metrics={n: ledger.metrics(run_id, n) for n in METRIC_NAMES})
+                   events=ledger.events(run_id),
+                   metrics={n: ledger.metrics(run_id, n) for n in (*METRIC_NAMES, *per_layer)})
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,8 @@ class Summary:
     gates: list[GateVerdict]
     figures: KeyFigures
     events: list[dict[str, Any]]
+    goodput: dict[str, Any] | None = None  # the soak's last `goodput` event (rollout/goodput.py), None before
+    checkpoint_interval: dict[str, Any] | None = None  # the soak's resolved `--checkpoint-interval auto`
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,7 +173,44 @@ def summarise(data: RunData) -> Summary:
                          v["reason"]) for v in data.verdicts]
     run = data.run
     return Summary(run["id"], run["status"], run["created"], run["updated"], run["config"], stages, gates,
-                   _key_figures(data, stages), data.events)
+                   _key_figures(data, stages), data.events, last_event_data(data.events, "goodput"),
+                   last_event_data(data.events, "checkpoint"))
+
+
+def last_event_data(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    found = [e["data"] for e in events if e["kind"] == kind and e["data"]]
+    return found[-1] if found else None
+
+
+GOODPUT_LABELS = {"productive": "productive", "startup": "start-up", "checkpoint": "checkpoint saves",
+                  "failures": "failures", "redone": "redone iterations", "other": "other"}
+STARTUP_LABELS = {"launch": "launch", "imports_init": "imports + process group", "model_build": "model build",
+                  "checkpoint_load": "checkpoint load", "setup": "data set-up", "first_step_extra": "first step extra"}
+FAILURE_LABELS = {"detection": "detection", "stop": "stop", "restart": "restart"}
+
+
+def goodput_rows(goodput: dict[str, Any]) -> list[tuple[str, float | None, float | None, str]]:
+    """(part, seconds, share of the wall, what it holds) for the report's Goodput table."""
+    parts, shares = goodput.get("parts", {}), goodput.get("shares", {})
+    details = {
+        "productive": f"{goodput.get('iterations', 0):,} iterations that count; steady step "
+                      + (f"{goodput['steady_step_s']:.3g} s" if goodput.get("steady_step_s") else "n/a"),
+        "startup": f"{len(goodput.get('starts', []))} start(s): " + _listed(goodput.get("startup_parts", {}),
+                                                                            STARTUP_LABELS),
+        "checkpoint": f"{goodput.get('saves', 0)} save(s)" + (f", the longest {goodput['max_save_s']:.3g} s"
+                                                              if goodput.get("max_save_s") else ""),
+        "failures": f"{len(goodput.get('failures', []))} failure(s): " + _listed(goodput.get("failure_parts", {}),
+                                                                                 FAILURE_LABELS),
+        "redone": f"{goodput.get('redone', 0):,} iteration(s) a restart threw away",
+        "other": "between steps, polls, the soak's end" + (
+            f"; the parts exceed the wall by {goodput['overrun_s']:.1f} s (clock skew)"
+            if goodput.get("overrun_s") else ""),
+    }
+    return [(label, parts.get(key), shares.get(key), details[key]) for key, label in GOODPUT_LABELS.items()]
+
+
+def _listed(values: dict[str, float], labels: dict[str, str]) -> str:
+    return ", ".join(f"{labels[k]} {values[k]:.1f} s" for k in labels if values.get(k)) or "none"
 
 
 def stage_span(data: RunData, stage: Stage) -> tuple[float | None, float | None]:

@@ -13,7 +13,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from stepdeploy.report.summary import RungFigures, Summary, is_fault
+from stepdeploy.report.summary import RungFigures, Summary, goodput_rows, is_fault
 
 STATUS_STYLE = {"passed": "green", "failed": "bold red", "running": "yellow", "skipped": "dim",
                 "stopped": "magenta", "pending": "dim"}
@@ -133,6 +133,26 @@ def figures_table(summary: Summary) -> Table:
     return table
 
 
+def goodput_title(goodput: dict[str, Any]) -> str:
+    return (f"Goodput: {fmt_percent(goodput.get('ratio'))} effective training time (productive step time over "
+            f"the soak's wall time, {fmt_duration(goodput.get('wall_s'))})")
+
+
+def goodput_table(summary: Summary) -> Table | Text:
+    goodput = summary.goodput
+    if goodput is None:
+        return Text("Goodput: n/a (recorded when a soak ends)")
+    table = Table(title=goodput_title(goodput), title_justify="left")
+    for column in ("part", "time", "share", "what"):
+        table.add_column(column, overflow="fold")
+    for part, seconds, share, what in goodput_rows(goodput):
+        table.add_row(part, fmt_duration(seconds), fmt_percent(share), Text(what))
+    interval = summary.checkpoint_interval
+    if interval is not None:
+        table.caption = Text(f"checkpoint interval (auto): {interval.get('describe') or interval.get('iterations')}")
+    return table
+
+
 def events_table(summary: Summary, limit: int = NOTABLE_EVENTS_SHOWN) -> Table | Text:
     events = summary.notable_events()
     if not events:
@@ -152,5 +172,5 @@ def events_table(summary: Summary, limit: int = NOTABLE_EVENTS_SHOWN) -> Table |
 def renderables(summary: Summary) -> Group:
     parts: list[RenderableType] = [header(summary), stage_table(summary)]
     parts.append(gate_table(summary) if summary.gates else Text("No gate verdicts recorded."))
-    parts += [figures_table(summary), events_table(summary)]
+    parts += [figures_table(summary), goodput_table(summary), events_table(summary)]
     return Group(*parts)

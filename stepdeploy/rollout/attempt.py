@@ -40,6 +40,7 @@ class Live:
     last: dict[str, Any] = field(default_factory=dict)  # the latest metrics line
     status: RunStatus | None = None
     feed: list[str] = field(default_factory=list)
+    goodput: float | None = None  # the soak's effective training time ratio so far (rollout/goodput.py)
 
     def note(self, line: str) -> None:
         self.feed = [*self.feed[-7:], line]
@@ -86,8 +87,17 @@ def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:
 
 def read_metrics(fetched: Path) -> list[dict[str, Any]]:
     """Every metrics line fetched from the nodes (rank 0 writes them; its node's copy is the one)."""
+    return read_rank0_lines(fetched, "metrics.jsonl")
+
+
+def read_phases(fetched: Path) -> list[dict[str, Any]]:
+    """Every line of out/phases.jsonl fetched from the nodes (start-up phases and saves; rank 0 writes them)."""
+    return read_rank0_lines(fetched, "phases.jsonl")
+
+
+def read_rank0_lines(fetched: Path, name: str) -> list[dict[str, Any]]:
     lines: list[dict[str, Any]] = []
-    for path in sorted(fetched.glob("**/out/metrics.jsonl")):
+    for path in sorted(fetched.glob(f"**/out/{name}")):
         for line in path.read_text().splitlines():
             try:
                 lines.append(json.loads(line))

@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stepdeploy.errors import StepdeployError
+from stepdeploy.errors import BadInput, StepdeployError
 from stepdeploy.rollout import gates
+
+AUTO = "auto"  # --checkpoint-interval auto: Young/Daly's interval, resolved when the soak starts
 
 
 class StageFailed(StepdeployError):
@@ -26,7 +28,8 @@ class RolloutConfig:
     warmup_iterations: int = 10
     scale_iterations: int = 30
     soak_duration_s: float = 72 * 3600.0
-    checkpoint_interval: int = 20
+    checkpoint_interval: int | str = 20  # soak: iterations between saves, or AUTO (rollout/checkpoint_interval.py)
+    mtbf_s: float | None = None  # soak, auto interval: the job's mean time between failures; None: Llama 3's rate
     soak_max_restarts: int = 3
     attempt_timeout_s: float = 1800.0
     pg_timeout_s: int = 60
@@ -52,3 +55,18 @@ class RolloutConfig:
         data["inject"] = tuple(data.get("inject", ()))
         data["thresholds"] = gates.Thresholds(**data.get("thresholds", {}))
         return cls(**data)
+
+
+def parse_checkpoint_interval(text: str) -> int | str:
+    """`--checkpoint-interval`: a number of iterations (at least 1) or `auto`."""
+    value = text.strip().lower()
+    if value == AUTO:
+        return AUTO
+    try:
+        iterations = int(value)
+    except ValueError:
+        raise BadInput(f"--checkpoint-interval {text!r} is neither a number of iterations nor auto",
+                       hint="--checkpoint-interval 20, or --checkpoint-interval auto [--mtbf 6h]") from None
+    if iterations < 1:
+        raise BadInput(f"--checkpoint-interval {iterations} must be at least 1 (or auto)")
+    return iterations

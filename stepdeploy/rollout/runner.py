@@ -148,13 +148,13 @@ class Rollout:
         return attempt, local, summary, False
 
     def render_options(self, stage: str, rung: Rung, iterations: int, run_id: str,
-                       schedule: tuple[int, int] | None = None) -> RenderOptions:
-        """`schedule`: (warmup, decay) iterations of the learning rate (the soak's, from its expected length)."""
+                       schedule: tuple[int, int] | None = None, save_interval: int = 0) -> RenderOptions:
+        """`schedule`: (warmup, decay) iterations of the learning rate (the soak's, from its expected length);
+        `save_interval`: checkpoint every N iterations (the soak's; 0: only at the end)."""
         warmup, decay = schedule or (None, None)
         return RenderOptions(run_id=run_id, stage=stage, iterations=iterations, nproc_per_node=rung.nproc_per_node,
                              pg_timeout_s=self.config.pg_timeout_s, seq_length=self.config.seq_length,
-                             global_batch_size=self.config.global_batch_size,
-                             save_interval=self.config.checkpoint_interval if stage == "soak" else 0,
+                             global_batch_size=self.config.global_batch_size, save_interval=save_interval,
                              executor=self.config.executor,  # None: the inventory's stepdeploy_executor
                              data=self.config.data, warmup_iterations=warmup, decay_iterations=decay)
 

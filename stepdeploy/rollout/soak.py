@@ -21,9 +21,9 @@ from stepdeploy.errors import BadInput
 from stepdeploy.monitor import classify, diagnose
 from stepdeploy.monitor.classify import Classification
 from stepdeploy.monitor.model import Thresholds
-from stepdeploy.rollout import gates, inject, monitors, training_gates
-from stepdeploy.rollout.attempt import executor_for, read_metrics, render_attempt
-from stepdeploy.rollout.config import StageFailed
+from stepdeploy.rollout import checkpoint_interval, gates, goodput, inject, monitors, training_gates
+from stepdeploy.rollout.attempt import executor_for, read_metrics, read_phases, render_attempt
+from stepdeploy.rollout.config import AUTO, StageFailed
 from stepdeploy.rollout.ladder import target_rung
 
 if TYPE_CHECKING:
@@ -40,11 +40,14 @@ class Watch:
     r: Any
     monitor: monitors.SoakMonitor
     injector: inject.Injector | None
+    live_goodput: goodput.LiveGoodput
     verdict: Classification | None = None
     detected_at: float | None = None
 
     def check(self, status: Any) -> str | None:
         now = time.time()
+        self.live_goodput.observe(self.r.live.last)
+        self.r.live.goodput = self.live_goodput.ratio(now)
         if self.injector is not None:
             for line in self.injector.tick(status, now):
                 self.r.live.note(line)
@@ -66,12 +69,22 @@ def _event(r: Rollout, kind: str, message: str, data: dict[str, Any] | None = No
 
 
 def run_soak(r: Rollout) -> None:
+    """The soak; its goodput is recorded when it ends, passed, failed or stopped."""
     rung = target_rung(r.cluster, r.config.model)
     stage = next(s for s in r.ledger.stages(r.run_id) if s.name == "soak")
     soak_started = stage.started or time.time()
+    local = _soak_dir(r, rung)
+    try:
+        _soak(r, rung, local, soak_started)
+    except StageFailed:
+        _record_goodput(r, local, soak_started)
+        raise
+    _record_goodput(r, local, soak_started)
+
+
+def _soak(r: Rollout, rung: Any, local: Path, soak_started: float) -> None:
     deadline = soak_started + r.config.soak_duration_s
     injections = inject.parse_all(r.config.inject)
-    local = _soak_dir(r, rung)
     _check_injections(injections, local, rung.world)
     while True:
         attempts = r.ledger.attempts(r.run_id, "soak")
@@ -136,7 +149,8 @@ def _watch(r: Rollout, executor: Any, local: Path, injections: list[inject.Injec
                                    lambda kind, msg, data: _event(r, kind, msg, data), r.config.monitor_interval_s)
     injector = inject.Injector(injections, ledger=r.ledger, run_id=r.run_id, cluster=r.cluster, executor=executor,
                                started=soak_started) if injections else None
-    return Watch(r, monitor, injector)
+    # the live ratio starts from the lines the earlier attempts' collection fetched (local files, no new fetch)
+    return Watch(r, monitor, injector, goodput.LiveGoodput(soak_started, read_metrics(local / "fetched")))
 
 
 def _cause(verdict: Classification | None, status: Any, why: str) -> str:
@@ -265,14 +279,38 @@ def _soak_dir(r: Rollout, rung: Any) -> Path:
         return Path(a["detail"]["local_run"])
     local = r.run_dir / "attempts" / "soak-target"
     if not (local / "manifest.json").exists():
-        schedule = soak_schedule(r.config.soak_duration_s, *_step_estimate(r))
+        schedule = soak_schedule(r.config.soak_duration_s, *checkpoint_interval.step_estimate(r))
         _event(r, "schedule", f"soak schedule: warm-up {schedule.warmup} iteration(s), cosine decay to a tenth of "
                f"the peak learning rate at iteration {schedule.decay} (the {schedule.expected:,} iterations "
                f"{r.config.soak_duration_s:.0f} s take at {schedule.step_s:.3f} s a step, {schedule.source})",
                schedule.to_json())
-        opts = r.render_options("soak", rung, SOAK_ITERATIONS, f"{r.run_id}-soak", (schedule.warmup, schedule.decay))
+        opts = r.render_options("soak", rung, SOAK_ITERATIONS, f"{r.run_id}-soak", (schedule.warmup, schedule.decay),
+                                _save_interval(r, schedule))
         render_attempt(r.cluster, rung, opts, r.config.layout, local)
     return local
+
+
+def _save_interval(r: Rollout, schedule: SoakSchedule) -> int:
+    """The configured interval, or (auto) Young/Daly's from the save stall and the MTBF, recorded as an event."""
+    if r.config.checkpoint_interval != AUTO:
+        return int(r.config.checkpoint_interval)
+    interval = checkpoint_interval.for_soak(r, schedule.step_s, schedule.source)
+    warning = checkpoint_interval.longer_than_the_soak(interval, schedule.expected)
+    _event(r, "checkpoint", f"checkpoint interval (auto): {interval.describe()}" + (f"; {warning}" if warning else ""),
+           {**interval.to_json(), "describe": interval.describe(), "warning": warning})
+    return interval.iterations
+
+
+def _record_goodput(r: Rollout, local: Path, soak_started: float) -> None:
+    """The soak's goodput (rollout/goodput.py) from its fetched metrics and phases and its ledger rows."""
+    attempts = r.ledger.attempts(r.run_id, "soak")
+    if not attempts:
+        return  # it never launched
+    events = [e for e in r.ledger.events(r.run_id) if e["stage"] == "soak"]
+    fetched = local / "fetched"
+    figures = goodput.breakdown(soak_started, time.time(), read_metrics(fetched), read_phases(fetched), attempts,
+                                events)
+    _event(r, "goodput", figures.describe(), figures.to_json())
 
 
 @dataclass(frozen=True)
@@ -290,7 +328,6 @@ class SoakSchedule:
                 "warmup_iterations": self.warmup, "decay_iterations": self.decay}
 
 
-DEFAULT_STEP_S = 1.0  # no warm-up measured and no GPU plan (a soak run alone on CPU nodes): an assumption, said so
 MAX_WARMUP = 2000  # iterations: megatron's usual warm-up for long pre-training runs
 
 
@@ -301,19 +338,6 @@ def soak_schedule(duration_s: float, step_s: float, source: str) -> SoakSchedule
     expected = max(2, int(duration_s / max(step_s, 1e-3)))
     warmup = min(MAX_WARMUP, max(1, expected // 20))
     return SoakSchedule(step_s, source, expected, warmup, max(expected, warmup + 1))
-
-
-def _step_estimate(r: Rollout) -> tuple[float, str]:
-    """The target's step time: measured by the warm-up stage (its steady step), else the planner's prediction."""
-    for event in r.ledger.events(r.run_id):
-        data = event.get("data") or {}
-        if event.get("stage") == "warmup" and data.get("steady_step_s"):
-            return float(data["steady_step_s"]), "measured in the warm-up"
-    for attempt in r.ledger.attempts(r.run_id, "warmup"):
-        predicted = (attempt["detail"].get("plan") or {}).get("predicted_step_s")
-        if predicted:
-            return float(predicted), "the planner's prediction"
-    return DEFAULT_STEP_S, f"assumed ({DEFAULT_STEP_S} s: no warm-up measured, no prediction)"
 
 
 def _detail(metrics: list[dict[str, Any]], why: str) -> dict[str, Any]:

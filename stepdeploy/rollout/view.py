@@ -34,6 +34,8 @@ def figures(live: Live) -> str:
         parts.append(f"{last['tokens_per_s']:,.0f} tok/s")
     if last.get("step_time_s"):
         parts.append(f"step {last['step_time_s']:.3f} s")
+    if live.goodput is not None:
+        parts.append(f"goodput {live.goodput:.0%}")
     return ", ".join(parts) or "no step yet"
 
 

@@ -69,7 +69,12 @@ def test_failing_gate_stops_then_resume_completes_and_report_renders(cluster: Si
     assert "step_time" in html and "soak" in html
     pngs = sorted(p.name for p in run.glob("report-*.png"))
     assert {"report-loss.png", "report-timeline.png", "report-tokens.png"} <= set(pngs)
+    # the training metrics the workload records (an MoE model: its expert load) and the soak's goodput
+    assert {"report-lr.png", "report-grad_norm.png", "report-moe_load.png", "report-goodput.png"} <= set(pngs)
     assert all((run / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert "<h2>Goodput</h2>" in html and "effective training time" in html
+    (goodput,) = [e["data"] for e in led.events("gated") if e["kind"] == "goodput"]
+    assert 0 < goodput["ratio"] < 1 and goodput["failures"] == [] and len(goodput["starts"]) == 1, goodput
 
 
 def test_controller_killed_mid_soak_is_resumed_without_orphans(cluster: SimConfig, tmp_path: Path) -> None:
@@ -98,6 +103,9 @@ def test_controller_killed_mid_soak_is_resumed_without_orphans(cluster: SimConfi
     soak = led.attempts("killed", "soak")
     assert len(soak) == 1 and soak[0]["status"] == "passed", soak  # one continuous attempt, re-attached
     assert any("re-attached" in e["message"] for e in led.events("killed"))
+    (goodput,) = [e["data"] for e in led.events("killed") if e["kind"] == "goodput"]  # the whole soak's, once
+    assert goodput["started"] == led.stages("killed")[0].started and len(goodput["starts"]) == 1, goodput
+    assert goodput["iterations"] == soak[0]["detail"]["iterations"] and goodput["redone"] == 0, goodput
     assert processes_of(cluster, "killed-soak") == {"node1": "", "node2": ""}
 
 

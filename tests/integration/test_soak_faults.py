@@ -5,6 +5,7 @@ completes; a soak without faults raises no failure finding."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from collections.abc import Iterator
@@ -63,14 +64,30 @@ def test_injected_kill_is_detected_classified_stopped_and_restarted(cluster: Sim
     assert resumed and failed_at - resumed[-1] <= 3, (resumed, failed_at)  # lost <= one checkpoint interval
     assert soak[1]["detail"]["iterations"] > failed_at, soak[1]["detail"]  # it trained on after the restart
     assert [s.status for s in led.stages("killed")] == ["passed"]
+    _check_goodput(events, failures=1)
+    goodput = next(e["data"] for e in events if e["kind"] == "goodput")
+    assert 0 <= goodput["redone"] <= 3 and goodput["failures"][0]["kind"] == "crash", goodput  # <= one interval
+    assert goodput["failures"][0]["parts"]["detection"] <= 10 and goodput["failures"][0]["restarted_at"]
+    assert [s["resumed_from"] for s in goodput["starts"]] == [0, resumed[-1]], goodput["starts"]
     assert processes_of(cluster, "killed-soak") == {"node1": "", "node2": ""}
     prom = (run / "monitor" / "stepdeploy.prom").read_text()
     assert "stepdeploy_heartbeat_age_seconds" in prom and "stepdeploy_netdev_up" in prom
 
 
+def _check_goodput(events: list[dict], failures: int) -> None:
+    """One goodput event; its parts and its overrun make up the soak's wall; time trained and saves seen."""
+    (goodput,) = [e["data"] for e in events if e["kind"] == "goodput"]
+    assert 0 < goodput["ratio"] < 1 and goodput["saves"] > 0 and len(goodput["failures"]) == failures, goodput
+    assert len(goodput["starts"]) == failures + 1 and all(s["first_step"] for s in goodput["starts"]), goodput
+    assert sum(goodput["parts"].values()) - goodput["overrun_s"] == pytest.approx(goodput["wall_s"]), goodput
+
+
 def test_soak_without_faults_raises_no_alarm(cluster: SimConfig, tmp_path: Path) -> None:
+    """Also: `--checkpoint-interval auto` resolves an interval (an event), renders with it and saves."""
     run = tmp_path / "quiet"
-    res = _cli("rollout", "run", "-i", str(cluster.inventory), *FAST, "--soak-duration", "35s",
+    auto = [*FAST[:FAST.index("--checkpoint-interval")], *FAST[FAST.index("--checkpoint-interval") + 2:],
+            "--checkpoint-interval", "auto", "--mtbf", "30s"]
+    res = _cli("rollout", "run", "-i", str(cluster.inventory), *auto, "--soak-duration", "35s",
                "--run-dir", str(run), cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     led = Ledger(run / "ledger.sqlite")
@@ -78,6 +95,11 @@ def test_soak_without_faults_raises_no_alarm(cluster: SimConfig, tmp_path: Path)
     assert not [e for e in events if e["kind"] in ("detected", "failure", "restart")], events
     alarms = [e for e in events if e["kind"] == "monitor" and e["data"].get("severity") == "fail"]
     assert alarms == []
+    (interval,) = [e["data"] for e in events if e["kind"] == "checkpoint"]
+    assert interval["mtbf_s"] == 30.0 and interval["save_source"].startswith("estimated: ") and interval["iterations"]
+    workload = json.loads((run / "attempts/soak-target/workload.json").read_text())
+    assert workload["training"]["save_interval"] == interval["iterations"]
+    _check_goodput(events, failures=0)
     assert [a["status"] for a in led.attempts("quiet", "soak")] == ["passed"]
     # it trained: a schedule sized from the soak's length, the loss fell after the warm-up, gradient norms in range
     schedule = next(e["data"] for e in events if e["kind"] == "schedule")

@@ -1,0 +1,258 @@
+"""Goodput of a soak: how much of its wall time trained, and where the rest went (pure: rows in, figures out).
+
+The wall is the soak stage's first start to its end (or now). It splits into:
+
+- productive: the step time of every iteration whose result survived (a run of an iteration counts unless a later
+  start resumed from a checkpoint before it), a start's first step counted at a steady step at most;
+- start-up, per start of the workload: from its launch (the attempt's start in the ledger; the soak's own start
+  for the first, so rendering counts) to its first step's start, split by out/phases.jsonl into launch (render,
+  SSH, torchrun, interpreter), imports + process group, model build (+ optimizer), checkpoint load, data set-up,
+  plus the first step's cost above a steady step;
+- checkpoint stalls: every save's blocking time (`save` phase: time - began);
+- failures, per `detected` event: detection (the failure -- the last step, phase or injection of the attempt
+  before it -- to its detection), stop (detection to the soak's `stop` event), restart (the stop to the next
+  launch, or to the soak's end when none followed);
+- redone: the step time of the runs a restart threw away (each had to be, or has to be, run again);
+- other: the remainder (between steps, controller polls, the end); never negative: when the parts add up to more
+  than the wall (the nodes' clocks and the controller's disagree) the excess is reported as `overrun_s`.
+
+Times of metrics and phases come from rank 0's node, those of attempts and events from the controller.
+"""
+
+from __future__ import annotations
+
+import statistics
+from array import array
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PARTS = ("productive", "startup", "checkpoint", "failures", "redone", "other")
+STARTUP_PARTS = ("launch", "imports_init", "model_build", "checkpoint_load", "setup", "first_step_extra")
+FAILURE_PARTS = ("detection", "stop", "restart")
+LAUNCH_SLACK_S = 5.0  # a node clock a little behind the controller's must not give a start to the attempt before
+
+
+class _Parted:
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class StartCost(_Parted):
+    began: float  # its launch
+    first_step: float | None  # when its first step began (None: it never took one)
+    resumed_from: int | None
+    parts: dict[str, float]
+
+
+@dataclass(frozen=True)
+class FailureCost(_Parted):
+    kind: str | None
+    failed_at: float
+    detected_at: float
+    stopped_at: float | None
+    restarted_at: float | None  # the next launch; None: the soak ended first
+    parts: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Goodput:
+    started: float
+    ended: float
+    productive_s: float
+    iterations: int  # runs that count
+    steady_step_s: float | None
+    starts: list[StartCost]
+    saves: int
+    checkpoint_s: float
+    max_save_s: float | None
+    failures: list[FailureCost]
+    redone: int
+    redone_s: float
+    parts: dict[str, float] = field(default_factory=dict)  # every PARTS entry, seconds
+    overrun_s: float = 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def ratio(self) -> float | None:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else None
+
+    def shares(self) -> dict[str, float | None]:
+        return {name: (value / self.wall_s if self.wall_s > 0 else None) for name, value in self.parts.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {**data, "wall_s": self.wall_s, "ratio": self.ratio, "shares": self.shares(),
+                "startup_parts": _summed([s.parts for s in self.starts], STARTUP_PARTS),
+                "failure_parts": _summed([f.parts for f in self.failures], FAILURE_PARTS)}
+
+    def describe(self) -> str:
+        ratio = "n/a" if self.ratio is None else f"{self.ratio:.1%}"
+        p = self.parts
+        text = (f"goodput {ratio} of {self.wall_s:.0f} s: productive {p['productive']:.1f} s "
+                f"({self.iterations} iterations), start-up {p['startup']:.1f} s ({len(self.starts)} start(s)), "
+                f"checkpoint saves {p['checkpoint']:.1f} s ({self.saves}), failures {p['failures']:.1f} s "
+                f"({len(self.failures)}), redone {p['redone']:.1f} s ({self.redone} iterations), "
+                f"other {p['other']:.1f} s")
+        return text + (f"; the parts exceed the wall by {self.overrun_s:.1f} s (clock skew between the nodes and "
+                       "the controller)" if self.overrun_s > 0 else "")
+
+
+def _summed(parts: list[dict[str, float]], names: tuple[str, ...]) -> dict[str, float]:
+    return {name: sum(p.get(name, 0.0) for p in parts) for name in names}
+
+
+def counted(iterations: list[int]) -> list[bool]:
+    """Whether each run (in file order) counts: no later run goes back to its iteration or before it."""
+    flags, lowest = [False] * len(iterations), None
+    for i in range(len(iterations) - 1, -1, -1):
+        flags[i] = lowest is None or iterations[i] < lowest
+        lowest = iterations[i] if lowest is None else min(lowest, iterations[i])
+    return flags
+
+
+def breakdown(started: float, ended: float, metrics: list[dict[str, Any]], phases: list[dict[str, Any]],
+              attempts: list[dict[str, Any]], events: list[dict[str, Any]]) -> Goodput:
+    """`metrics`: every line of the soak's metrics.jsonl (redone ones included), `phases`: its phases.jsonl,
+    `attempts`/`events`: the soak's ledger rows."""
+    lines = [m for m in metrics if _num(m.get("iteration")) is not None and _num(m.get("step_time_s")) is not None]
+    keep = counted([int(m["iteration"]) for m in lines])
+    groups = _starts(phases)
+    firsts = _first_step_lines(lines, groups)
+    steady = _median([float(m["step_time_s"]) for i, m in enumerate(lines) if keep[i] and i not in firsts]
+                     or [float(m["step_time_s"]) for m in lines])
+    launches = sorted(float(a["started"]) for a in attempts)[1:]  # the first start's launch: the soak's start
+    starts = _start_costs(groups, [started, *launches], steady)
+    # a first step's cost above a steady step is start-up's, not the step's
+    extra = {i: min(starts[g].parts.get("first_step_extra", 0.0), float(lines[i]["step_time_s"]))
+             for i, g in firsts.items()}
+    productive = sum(float(m["step_time_s"]) - extra.get(i, 0.0) for i, m in enumerate(lines) if keep[i])
+    redone = [i for i in range(len(lines)) if not keep[i]]
+    redone_s = sum(float(lines[i]["step_time_s"]) - extra.get(i, 0.0) for i in redone)
+    saves = [float(p["time"]) - float(p["began"]) for p in phases
+             if p.get("phase") == "save" and _num(p.get("began")) is not None]
+    failures = _failures(events, attempts, lines, phases, started, ended)
+    parts = {"productive": productive, "startup": sum(s.total for s in starts), "checkpoint": sum(saves),
+             "failures": sum(f.total for f in failures), "redone": redone_s}
+    rest = (ended - started) - sum(parts.values())
+    return Goodput(started, ended, productive, sum(keep), steady, starts, len(saves), sum(saves),
+                   max(saves, default=None), failures, len(redone), redone_s, {**parts, "other": max(rest, 0.0)},
+                   max(-rest, 0.0))
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _starts(phases: list[dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
+    """One {phase: line} per start of the workload: a `start` line and the lines of its pid after it."""
+    groups: list[dict[str, dict[str, Any]]] = []
+    current: dict[Any, dict[str, dict[str, Any]]] = {}
+    for line in phases:
+        name, pid = line.get("phase"), line.get("pid")
+        if name == "start":
+            current[pid] = {"start": line}
+            groups.append(current[pid])
+        elif name != "save" and pid in current:
+            current[pid].setdefault(str(name), line)
+    return groups
+
+
+def _first_step_lines(lines: list[dict[str, Any]], groups: list[dict[str, dict[str, Any]]]) -> dict[int, int]:
+    """{metrics line index: start index} of every start's first step (its iteration, the line nearest in time)."""
+    found = {}
+    for g, group in enumerate(groups):
+        first = group.get("first_step")
+        same = [i for i, m in enumerate(lines) if first is not None and m["iteration"] == first.get("iteration")]
+        if first is not None and same:
+            found[min(same, key=lambda i: abs(float(lines[i].get("time") or 0.0) - float(first["time"])))] = g
+    return found
+
+
+def _start_costs(groups: list[dict[str, dict[str, Any]]], launches: list[float], steady: float | None
+                 ) -> list[StartCost]:
+    costs, used = [], set()
+    for group in groups:
+        t0 = float(group["start"]["time"])
+        launch = max((x for x in launches if x <= t0 + LAUNCH_SLACK_S), default=t0)
+        launch = t0 if launch in used else launch  # a second start within one attempt began on its own
+        used.add(launch)
+        marks = [("launch", launch), ("imports_init", t0), ("model_build", _time(group, "initialized")),
+                 ("checkpoint_load", _time(group, "optimizer") or _time(group, "model")),
+                 ("setup", _time(group, "resumed"))]
+        first = group.get("first_step")
+        began = float(first["time"]) - float(first.get("step_s") or 0.0) if first else None
+        parts: dict[str, float] = {}
+        for (name, since), (_next, until) in zip(marks, [*marks[1:], ("end", began)], strict=True):
+            if since is not None and until is not None:
+                parts[name] = max(0.0, until - since)
+        if first is not None and steady is not None:
+            parts["first_step_extra"] = max(0.0, float(first.get("step_s") or 0.0) - steady)
+        resumed = group.get("resumed", {}).get("iteration")
+        costs.append(StartCost(launch, began, resumed, parts))
+    return costs
+
+
+def _time(group: dict[str, dict[str, Any]], phase: str) -> float | None:
+    line = group.get(phase)
+    return float(line["time"]) if line is not None else None
+
+
+def _failures(events: list[dict[str, Any]], attempts: list[dict[str, Any]], lines: list[dict[str, Any]],
+              phases: list[dict[str, Any]], started: float, ended: float) -> list[FailureCost]:
+    launches = sorted(float(a["started"]) for a in attempts)
+    detected = [e for e in events if e["kind"] == "detected"]
+    stops = sorted(float(e["ts"]) for e in events if e["kind"] == "stop")
+    injected = [float(e["data"]["time"]) for e in events if e["kind"] == "inject" and _num(e["data"].get("time"))]
+    seen = [float(m["time"]) for m in lines if _num(m.get("time")) is not None]
+    seen += [float(p["time"]) for p in phases if _num(p.get("time")) is not None] + injected
+    costs = []
+    for event in detected:
+        at = _num(event["data"].get("time")) or float(event["ts"])
+        since = max((x for x in launches if x <= at), default=started)
+        failed = max((t for t in seen if since <= t <= at), default=since)
+        stopped = next((t for t in stops if t >= at), None)
+        after = stopped if stopped is not None else at
+        restarted = next((x for x in launches if x > after), None)
+        parts = {"detection": at - failed, "stop": after - at, "restart": (restarted or ended) - after}
+        costs.append(FailureCost(event["data"].get("kind"), failed, at, stopped, restarted,
+                                 {k: max(0.0, v) for k, v in parts.items()}))
+    return costs
+
+
+class LiveGoodput:
+    """The effective ratio while the soak runs, from what the controller has anyway: the metrics lines it
+    fetched at the end of the earlier attempts (exact) and the latest line of every poll (the iterations
+    since the poll before are taken at the polled line's step time). No start-up or save split: that is the end's."""
+
+    def __init__(self, started: float, lines: list[dict[str, Any]]) -> None:
+        self.started = started
+        self.steps = array("d")  # step time of iterations 1, 2, ... as they count so far
+        self.productive = 0.0
+        for line in lines:
+            self.observe(line)
+
+    def observe(self, line: dict[str, Any]) -> None:
+        iteration, step = line.get("iteration"), _num(line.get("step_time_s"))
+        if not isinstance(iteration, int) or iteration < 1 or step is None:
+            return
+        if iteration <= len(self.steps):  # a restart went back (or the same line again): drop what it redoes
+            self.productive -= sum(self.steps[iteration - 1:])
+            del self.steps[iteration - 1:]
+        count = iteration - len(self.steps)
+        self.steps.extend([step] * count)
+        self.productive += step * count
+
+    def ratio(self, now: float) -> float | None:
+        wall = now - self.started
+        return min(max(self.productive, 0.0) / wall, 1.0) if wall > 0 else None
