@@ -27,8 +27,8 @@ rollout() {  # NAME SECONDS ARGS...: one rollout, its report, its ledger and fet
     tar -czf "$out/$name.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' "$name"
 }
 
-rollout moe 240 -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak --warmup-iterations 6 \
-    --scale-iterations 10 --soak-duration 60s --checkpoint-interval 100000 --data /tmp/corpus
-rollout dense 200 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 120s \
-    --checkpoint-interval 40 --inject kill:rank=last@75s
+rollout moe 220 -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak --warmup-iterations 6 \
+    --scale-iterations 10 --soak-duration 50s --checkpoint-interval 100000 --data /tmp/corpus
+rollout dense 190 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 110s \
+    --checkpoint-interval 40 --inject kill:rank=last@70s
 tail -3 "$out/moe.log" "$out/dense.log"

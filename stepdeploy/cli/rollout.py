@@ -14,12 +14,13 @@ from rich.live import Live as RichLive
 from rich.table import Table
 
 from stepdeploy import corpus
+from stepdeploy.catalog import load_model
 from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
-from stepdeploy.rollout import gates
+from stepdeploy.rollout import gates, training_gates
 from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, parse_checkpoint_interval
 from stepdeploy.rollout.inject import parse_all as parse_injections
 from stepdeploy.rollout.ladder import parse_stages, scale_ladder, target_rung
@@ -289,15 +290,21 @@ def _print_plan(config: RolloutConfig) -> None:
         plan["warmup"] = {**target_rung(cluster, config.model).as_dict(), "iterations": config.warmup_iterations,
                           "gates": ["completed", "loss_finite"]}
     if "scale" in config.stages:
-        plan["scale"] = [{"rung": r.name, **r.as_dict(), "iterations": config.scale_iterations,
-                          "gates": ["completed", "loss_finite", "loss_falling", "scaling_efficiency",
-                                    "memory_vs_plan"]} for r in scale_ladder(cluster, config.model)]
+        plan["scale"], previous = [], None
+        for r in scale_ladder(cluster, config.model):
+            # scaling only against the previous rung of the same model; a rung that changes it: MFU vs its plan
+            scaling = "mfu_vs_plan" if previous not in (None, r.model) else "scaling_efficiency"
+            ceiling = ["step_time"] if config.thresholds.max_step_time_s is not None else []
+            plan["scale"].append({"rung": r.name, **r.as_dict(), "iterations": config.scale_iterations,
+                                  "gates": ["completed", "loss_finite", "loss_falling", scaling, "memory_vs_plan",
+                                            *ceiling]})
+            previous = previous if r.skip_reason else r.model
     if "soak" in config.stages:
         plan["soak"] = {**target_rung(cluster, config.model).as_dict(), "duration_s": config.soak_duration_s,
                         "checkpoint_interval": config.checkpoint_interval, "max_restarts": config.soak_max_restarts,
                         "heartbeat_timeout_s": config.heartbeat_timeout_s,
                         "monitor_interval_s": config.monitor_interval_s,
-                        "gates": ["no_unrecovered_failure", "loss_finite"],
+                        "gates": ["no_unrecovered_failure", "loss_finite", *_training_gates(config.model)],
                         "inject": [i.to_json() for i in parse_injections(config.inject)]}
         if config.checkpoint_interval == AUTO:
             plan["soak"] |= _auto_interval(cluster, config)
@@ -309,6 +316,11 @@ def _print_plan(config: RolloutConfig) -> None:
                             f"{cluster.slurm.tasks}: the node's launch.sh or one rank per GPU); squeue/sacct to "
                             "follow, scancel to stop")
     out.print(json.dumps(plan, indent=2), markup=False)
+
+
+def _training_gates(model: str) -> list[str]:
+    moe = load_model(model).moe
+    return training_gates.gate_names(moe is not None, bool(moe and moe.load_balancing == "expert_bias"))
 
 
 def _auto_interval(cluster: Cluster, config: RolloutConfig) -> dict[str, Any]:

@@ -27,6 +27,15 @@ from stepdeploy.rollout.gates import GateVerdict, Thresholds
 Metrics = Sequence[dict[str, Any]]
 
 
+GATES = ("loss_trend", "loss_spikes", "grad_norm")
+MOE_GATES = ("expert_load", "tokens_dropped")  # and router_bias with expert-bias balancing
+
+
+def gate_names(moe: bool, expert_bias: bool) -> list[str]:
+    """The training gates a soak of such a model gets (what `rollout run --dry-run` lists)."""
+    return [*GATES, *(MOE_GATES if moe else ()), *(("router_bias",) if moe and expert_bias else ())]
+
+
 def kept(metrics: Metrics) -> list[dict[str, Any]]:
     """One line per iteration (the last run of an iteration redone after a restart), in iteration order."""
     last: dict[int, dict[str, Any]] = {}

@@ -163,3 +163,23 @@ def test_no_attempt_no_goodput(tmp_path: Path) -> None:
     r = _soak_rollout(tmp_path, 3)
     _record_goodput(r, tmp_path / "nowhere", 0.0)
     assert [e for e in r.ledger.events("r") if e["kind"] == "goodput"] == []
+
+
+def test_the_dry_run_lists_the_gates_each_rung_and_the_soak_will_get(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    (tmp_path / "inv.ini").write_text("[g]\nh200 ansible_host=192.0.2.9\n[g:vars]\nstepdeploy_gpus_per_node=1\n"
+                                      "stepdeploy_gpu_model=H200\n")
+    code, out, _ = _cli(capsys, "rollout", "run", "-i", str(tmp_path / "inv.ini"), "-m", "step-3.5-flash-slice-1gpu",
+                        "--run-dir", str(tmp_path / "r"), "--max-step-time", "5", "--dry-run")
+    plan = json.loads(out)
+    assert code == 0
+    scale = {r["rung"]: r["gates"] for r in plan["scale"] if r["skip_reason"] is None}
+    # the MoE proxy is judged as scaling; the target, another model, by its MFU against the plan
+    assert scale == {"proxy-1-gpu": ["completed", "loss_finite", "loss_falling", "scaling_efficiency",
+                                     "memory_vs_plan", "step_time"],
+                     "target-all-nodes": ["completed", "loss_finite", "loss_falling", "mfu_vs_plan",
+                                          "memory_vs_plan", "step_time"]}
+    assert plan["soak"]["gates"] == ["no_unrecovered_failure", "loss_finite", "loss_trend", "loss_spikes",
+                                     "grad_norm", "expert_load", "tokens_dropped", "router_bias"]
+    code, out, _ = _cli(capsys, *_rollout(tmp_path, "--dry-run"))
+    assert json.loads(out)["soak"]["gates"][2:] == ["loss_trend", "loss_spikes", "grad_norm"]  # dense: no MoE gates
