@@ -5,7 +5,7 @@
 # loss trend, gradient norms and expert load -- then the dense proxy's soak with a rank killed after its first
 # checkpoint (restart cost, goodput). Ledgers, fetched files (not checkpoints) and reports land in $OUT.
 #
-#   OUT=/tmp/out bash bench/gpu_soak.sh .debs .whl      # the device machine's $OUT
+#   OUT=/tmp/out [ROLLOUTS=dense] bash bench/gpu_soak.sh .debs .whl      # the device machine's $OUT
 set -uo pipefail
 debs=$1 wheels=$2
 out=${OUT:?set OUT}
@@ -27,8 +27,13 @@ rollout() {  # NAME SECONDS ARGS...: one rollout, its report, its ledger and fet
     tar -czf "$out/$name.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' "$name"
 }
 
-rollout moe 220 -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak --warmup-iterations 6 \
-    --scale-iterations 10 --soak-duration 50s --checkpoint-interval 100000 --data /tmp/corpus
-rollout dense 190 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 110s \
-    --checkpoint-interval 40 --inject kill:rank=last@70s
-tail -3 "$out/moe.log" "$out/dense.log"
+# ROLLOUTS picks (default both); the run's files must stay few (the device returns 8 files)
+for name in ${ROLLOUTS:-moe dense}; do
+    case $name in
+        moe) rollout moe 400 -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak --warmup-iterations 6 \
+                 --scale-iterations 10 --soak-duration 50s --checkpoint-interval 100000 --data /tmp/corpus ;;
+        dense) rollout dense 200 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \
+                   --soak-duration 100s --checkpoint-interval 30 --inject kill:rank=last@65s ;;
+    esac
+    tail -n 3 "$out/$name.log"
+done
