@@ -75,6 +75,11 @@ SIGNATURES = (
     _sig("nccl_error", r"NCCL error|ncclSystemError|ncclInternalError|ncclRemoteError|ncclUnhandledCudaError",
          "NCCL reported a communication error",
          "rerun with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET; check the interfaces NCCL picked"),
+    _sig("port_in_use", r"EADDRINUSE|address already in use",
+         "the rendezvous port is taken on the node: another run is still there (often one whose controller was "
+         "killed: its processes train on, detached, until `rollout resume` re-attaches or `rollout stop` ends them)",
+         "stepdeploy rollout list / status to find it, then `stepdeploy rollout stop RUN` (or `stepdeploy run "
+         "stop RUN_DIR`); `ss -ltnp` on the node names the process holding the port"),
     _sig("killed", r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)|\bKilled process \d+|oom-kill",
          "a worker was killed with SIGKILL (the kernel's OOM killer, an operator, or an injected fault)",
          "dmesg | grep -i -e oom -e 'Killed process' on the node; if it was the OOM killer, lower host memory use "

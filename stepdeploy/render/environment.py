@@ -123,14 +123,17 @@ def _rdma(node: Node, facts: NodeFacts, notes: list[str]) -> list[EnvVar]:
 
 
 def _torch(node: Node, layout: Layout, opts: RenderOptions) -> list[EnvVar]:
+    cache = f"{opts.remote_dir.rstrip('/')}/.compile-cache"
     env = [EnvVar("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3",
                   ("a failed or timed-out collective tears the process down instead of hanging",)),
            EnvVar("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(opts.heartbeat_timeout_s),
                   ("torch's NCCL watchdog: kill a rank whose collectives made no progress for this long",)),
-           EnvVar("TORCHINDUCTOR_CACHE_DIR", f"{opts.run_dir}/cache/inductor",
-                  ("torch.compile's caches in the run directory, not /tmp/torchinductor_<user> (world-writable,",
-                   "a predictable name): a restart of the run reuses the kernels compiled before it")),
-           EnvVar("TRITON_CACHE_DIR", f"{opts.run_dir}/cache/triton")]
+           EnvVar("TORCHINDUCTOR_CACHE_DIR", f"{cache}/inductor",
+                  ("torch.compile's caches beside the runs, not /tmp/torchinductor_<user> (world-writable, a",
+                   "predictable name), shared by the runs on this node: a restart, and every stage after the",
+                   "first, reuse the kernels compiled before (on an H200 a warm cache cut the dense proxy's",
+                   "first step from 14.0 s to 5.3 s: docs/benchmarks.md)")),
+           EnvVar("TRITON_CACHE_DIR", f"{cache}/triton")]
     gpus = node.gpus_per_node or 0
     if gpus:
         env.append(EnvVar("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True",

@@ -11,6 +11,7 @@ from typing import Any
 from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger
+from stepdeploy.monitor import diagnose
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
 from stepdeploy.report.summary import METRIC_NAMES  # the names the report plots
@@ -116,8 +117,11 @@ class Rollout:
             status, why = self._launch_and_follow(executor, local, stage, rung, iterations,
                                                   time.time() + self.config.attempt_timeout_s, reattach=reattach)
             metrics = self._collect(executor, local, attempt)
-        verdicts = [gates.completed(status.finished_ok and why == "exited", status.culprits() or [why]),
-                    gates.losses_finite(metrics)]
+            culprits = status.culprits() or [why]
+            if not (status.finished_ok and why == "exited"):  # a known signature in the logs says why, first
+                culprits = [f"{d.signature}: {d.cause}" for d in diagnose.diagnose(
+                    "\n".join(line for lines in executor.logs(tail=400).values() for line in lines))] + culprits
+        verdicts = [gates.completed(status.finished_ok and why == "exited", culprits), gates.losses_finite(metrics)]
         if extra is not None and verdicts[0].passed:
             verdicts += extra(metrics, summary)
         self._record(stage, rung, attempt, verdicts, metrics)

@@ -104,3 +104,12 @@ def test_application_xid_and_clean_log():
     assert diagnose("step 10 loss 2.31 info: saved checkpoint\nall good") == []
     (found,) = diagnose(faults.XID_13_GPU0)
     assert found.cause.startswith("application-level XID 13")
+
+
+def test_a_taken_rendezvous_port_names_the_run_left_on_the_node():
+    # torchrun's last line when another run holds the port (seen on the H200: a rollout whose controller was killed
+    # left its soak training; the next rollout's warm-up died in 3 s, its gate said only "exited")
+    log = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
+           "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+    (found,) = diagnose(log)
+    assert found.signature == "port_in_use" and "another run" in found.cause and "rollout stop" in found.fix

@@ -64,9 +64,12 @@ def test_extra_env_wins_over_derived_values() -> None:
     assert env["NCCL_IB_TIMEOUT"] == "18"
 
 
-def test_compile_caches_live_in_the_run_directory_not_in_tmp() -> None:
+def test_compile_caches_live_beside_the_runs_not_in_tmp() -> None:
     env, _ = env_of(SPARK)
-    run_dir = RenderOptions(run_id="r").run_dir
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{run_dir}/cache/inductor"
-    assert env["TRITON_CACHE_DIR"] == f"{run_dir}/cache/triton"
+    opts = RenderOptions(run_id="r")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{opts.remote_dir}/.compile-cache/inductor"
+    assert env["TRITON_CACHE_DIR"] == f"{opts.remote_dir}/.compile-cache/triton"
     assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith("/tmp")
+    other, _ = node_environment(SPARK, 0, Layout(), RenderOptions(run_id="other-run"))
+    # shared by every run on the node: the soak reuses the warm-up's kernels
+    assert {v.key: v.value for v in other}["TORCHINDUCTOR_CACHE_DIR"] == env["TORCHINDUCTOR_CACHE_DIR"]
