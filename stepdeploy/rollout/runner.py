@@ -10,7 +10,7 @@ from typing import Any
 
 from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
-from stepdeploy.ledger import Ledger
+from stepdeploy.ledger import Ledger, NotALedger
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
 from stepdeploy.report.summary import METRIC_NAMES  # the names the report plots
@@ -20,18 +20,20 @@ from stepdeploy.rollout.attempt import (
     executor_for,
     follow,
     metric_rows,
+    metric_time,
     read_metrics,
     render_attempt,
 )
 from stepdeploy.rollout.config import RolloutConfig, StageFailed
-from stepdeploy.rollout.ladder import Rung, scale_ladder, target_rung
+from stepdeploy.rollout.ladder import STAGES, Rung, scale_ladder, target_rung
 
 
 class Rollout:
     def __init__(self, run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig,
-                 on_tick: Callable[[Live], None] = lambda _live: None) -> None:
+                 on_tick: Callable[[Live], None] = lambda _live: None, cluster: Cluster | None = None) -> None:
+        """`cluster`: the inventory as the CLI accepted it (host-key checking); None: read config.inventory."""
         self.run_dir, self.ledger, self.run_id, self.config = run_dir, ledger, run_id, config
-        self.cluster: Cluster = load_cluster(config.inventory)
+        self.cluster: Cluster = cluster or load_cluster(config.inventory)
         self.on_tick = on_tick
         self.live = Live()
 
@@ -39,6 +41,9 @@ class Rollout:
     def run(self) -> None:
         self.ledger.set_run_status(self.run_id, "running")
         while (stage := self.ledger.next_stage(self.run_id)) is not None:
+            if stage.name not in STAGES:
+                raise NotALedger(f"{self.ledger.path}: stage {stage.name!r} is not a rollout stage "
+                                 f"({', '.join(STAGES)}); not a ledger this stepdeploy wrote")
             if self._stop_requested():
                 self.ledger.set_stage(self.run_id, stage.name, "stopped", "stop requested")
                 self.ledger.set_run_status(self.run_id, "stopped")
@@ -172,7 +177,7 @@ class Rollout:
         appends to the same metrics file, so earlier attempts' lines are not counted twice)."""
         fetched = local / "fetched"
         executor.fetch(fetched)
-        metrics = [m for m in read_metrics(fetched) if float(m.get("time") or 0.0) >= since]
+        metrics = [m for m in read_metrics(fetched) if metric_time(m) >= since]
         if metrics:
             self.ledger.add_metrics(self.run_id, attempt, metric_rows(metrics, METRIC_NAMES))
         return metrics
