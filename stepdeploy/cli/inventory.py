@@ -11,7 +11,8 @@ from stepdeploy.cli.output import emit_json, err, out
 from stepdeploy.inventory import Cluster, Node, load_cluster
 from stepdeploy.stack import StackProfile
 
-app = typer.Typer(help="Read an Ansible inventory into stepdeploy's cluster model.", no_args_is_help=True)
+app = typer.Typer(help="Read an Ansible inventory into stepdeploy's cluster model.",
+                  epilog="Example: stepdeploy inventory show inventory/dgx.ini --json", no_args_is_help=True)
 
 _STACK_LABELS = (
     ("driver", "driver"), ("cuda", "CUDA"), ("cudnn", "cuDNN"), ("nccl", "NCCL"), ("python", "Python"),
