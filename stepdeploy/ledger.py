@@ -116,17 +116,20 @@ class Stage:
 
 
 class Ledger:
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
-        """Open the ledger at `path`, creating it when there is none; NotALedger when the file holds something
-        else (nothing is written to such a file)."""
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time, create: bool = True) -> None:
+        """Open the ledger at `path`, creating it when there is none (unless not `create`: a reader never
+        writes); NotALedger when the file holds something else (nothing is written to such a file)."""
         self.path = path
         self.clock = clock
+        self.create = create
         if path.exists() or path.is_symlink():
             safeio.require_regular(path, "rollout ledger")  # a FIFO would block sqlite forever
         try:
             self.db = sqlite3.connect(path, isolation_level=None, timeout=30)
         except sqlite3.Error as exc:
             raise NotALedger(f"{path}: cannot open the rollout ledger: {exc}") from None
+        # a damaged page can hold text that is not UTF-8: shown replaced, never an exception
+        self.db.text_factory = lambda data: data.decode("utf-8", "replace")
         try:
             self._open()
         except BaseException:
@@ -137,6 +140,9 @@ class Ledger:
         self.db.row_factory = sqlite3.Row
         try:
             version = self._version()
+            if version is None and not self.create:
+                raise NotALedger(f"{self.path}: an empty file, not a rollout ledger",
+                                 hint="stepdeploy rollout list  (shows the runs and their directories)")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")  # a committed transition survives a power cut
             if version is None:

@@ -81,10 +81,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = app(args=argv, prog_name="stepdeploy", standalone_mode=False)
     except UsageProblem as exc:  # an unknown option, a value of the wrong type or range
-        if type(exc).__name__ == "NoArgsIsHelpError":
-            exc.show()  # type: ignore[attr-defined]  # a bare group: its help, as before
-            sys.exit(EXIT_BAD_INPUT)
         ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare group: its help, then what is missing
+            exc.show()  # type: ignore[attr-defined]
+            path = ctx.command_path if ctx else "stepdeploy"
+            commands = ", ".join(getattr(ctx.command, "commands", {})) if ctx else ""
+            _fail(f"{path} needs a command: {commands}", f"{path} --help", EXIT_BAD_INPUT)
         _fail(exc.format_message(), f"{ctx.command_path if ctx else 'stepdeploy'} --help", EXIT_BAD_INPUT)
     except StepdeployError as exc:
         _fail(exc.message, exc.hint, exc.exit_code)

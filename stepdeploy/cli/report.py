@@ -50,7 +50,7 @@ def load(run_dir: Path) -> RunData:
     path = run_dir / LEDGER_FILE
     if not path.is_file():
         raise BadInput(f"{run_dir} has no {LEDGER_FILE}: not a rollout run directory", hint=hint)
-    ledger = Ledger(path)  # NotALedger (exit 2) for a corrupt or foreign file
+    ledger = Ledger(path, create=False)  # NotALedger (exit 2) for a corrupt, foreign or empty file
     try:
         return read_run(ledger, _run_id(ledger, run_dir))
     finally:

@@ -122,14 +122,21 @@ def _prepare(config: RolloutConfig, insecure: bool) -> Cluster:
     """The checks a rollout passes before it starts (or is resumed, or dry-run): the inventory (and its SSH
     host-key checking), the model, and the layout if one is given."""
     from stepdeploy.catalog import load_model
-    from stepdeploy.plan.layout import parse_layout
 
     cluster = connecting_cluster(config.inventory, insecure)
-    load_model(config.model)
+    spec = load_model(config.model)
     if config.proxy_model:
         load_model(config.proxy_model)
-    if config.layout:
-        parse_layout(config.layout)
+    if config.layout:  # judged as the warmup's rendering will judge it
+        from stepdeploy.render import RenderOptions
+        from stepdeploy.render.build import choose_layout
+        from stepdeploy.render.workload import check_engine, choose_engine
+
+        seq = config.seq_length or spec.training.seq_length
+        gbs = config.global_batch_size or spec.training.global_batch_size
+        chosen, _summary = choose_layout(cluster, spec, config.layout, seq, gbs)
+        gpus = cluster.nodes[0].gpus_per_node or 0
+        check_engine(choose_engine(RenderOptions(run_id="layout-check"), gpus), chosen, spec, gpus)
     return cluster
 
 
@@ -142,6 +149,7 @@ def resume_cmd(
 ) -> None:
     """Continue a rollout: finished stages are not re-run; a running one is re-attached or restarted."""
     ledger, run_id = _open(run_dir)
+    _check_run_name(run_id)
     config = _config(ledger, run_id)
     cluster = _prepare(config, insecure)
     with controller_lock(run_dir):
@@ -190,7 +198,7 @@ def _open(run_dir: Path) -> tuple[Ledger, str]:
         raise BadInput(f"{run_dir}: not a run directory", hint="stepdeploy rollout list")
     if not (run_dir / "ledger.sqlite").exists():
         raise BadInput(f"{run_dir}: no rollout ledger here", hint="stepdeploy rollout list")
-    ledger = Ledger(run_dir / "ledger.sqlite")
+    ledger = Ledger(run_dir / "ledger.sqlite", create=False)
     ids = ledger.run_ids()
     if not ids:
         raise BadInput(f"{run_dir}: the ledger holds no run")
@@ -238,8 +246,12 @@ def stop_cmd(run_dir: Path = RUN, insecure: bool = INSECURE) -> None:
     _let_the_controller_stop(run_dir, ledger, [a["id"] for a in running])
     left = []
     for attempt in running:  # (again) stop and prove: the job cancelled (slurm), no process left on any node
-        with executor_for(cluster, Path(attempt["detail"]["local_run"])) as executor:
-            results = executor.stop()
+        try:
+            with executor_for(cluster, Path(str(attempt["detail"].get("local_run")))) as executor:
+                results = executor.stop()
+        except BadInput as exc:  # its run directory is gone or damaged: its nodes are not known
+            left.append(f"attempt {attempt['id']}: {exc.message}")
+            continue
         left += [f"{r.node}: {r.detail}" for r in results if not r.ok]
     try:
         with controller_lock(run_dir):  # no controller: record the stop ourselves
@@ -285,7 +297,7 @@ def list_cmd(runs: Path = typer.Option(Path("runs"), "--runs", help="Directory o
     rows, unreadable = [], []
     for ledger_path in sorted(runs.glob("*/ledger.sqlite")):
         try:
-            ledger = Ledger(ledger_path)
+            ledger = Ledger(ledger_path, create=False)
         except BadInput as exc:
             warn(exc.message)
             unreadable.append(str(ledger_path))

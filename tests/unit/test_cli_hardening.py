@@ -242,3 +242,14 @@ def test_usage_errors_from_a_fresh_process_are_one_line() -> None:
                          text=True, timeout=60)
     one_error(res.returncode, res.stderr)
     assert res.stderr.splitlines()[-1] == "hint: stepdeploy render --help"
+
+
+@pytest.mark.parametrize("group", ["run", "rollout", "sim", "inventory"])
+def test_a_bare_command_group_shows_its_help_and_one_error_line(group: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    code = run_main([group])
+    err = capsys.readouterr().err
+    assert err.startswith(f"Usage: stepdeploy {group} ")
+    tail = err.splitlines()[-2:]
+    assert code == 2 and tail[0].startswith(f"error: stepdeploy {group} needs a command: ")
+    assert tail[1] == f"hint: stepdeploy {group} --help"

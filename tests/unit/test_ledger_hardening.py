@@ -102,6 +102,8 @@ def _corrupt(kind: str, path: Path) -> None:
                                 ["bake"])
     elif kind == "fifo":
         os.mkfifo(path)
+    elif kind == "empty":
+        path.touch()
 
 
 KINDS = ["random bytes", "truncated", "foreign database", "newer schema", "wrong types", "config not JSON", "fifo"]
@@ -124,7 +126,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           cwd=cwd)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "foreign config", "unknown stage"])
+@pytest.mark.parametrize("kind", [*KINDS, "empty", "foreign config", "unknown stage"])
 def test_every_command_that_reads_a_ledger_exits_2_with_one_line(tmp_path: Path, kind: str) -> None:
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
@@ -140,6 +142,19 @@ def test_every_command_that_reads_a_ledger_exits_2_with_one_line(tmp_path: Path,
         assert res.returncode == 2 and len(errors) == 1, (args, res.stdout, res.stderr)
         assert "Traceback" not in res.stderr
     assert not (run / "STOP").exists(), "rollout stop acted on a ledger it cannot read"
+    if kind == "empty":
+        assert (run / "ledger.sqlite").stat().st_size == 0, "a command that reads a ledger wrote one"
+
+
+def test_text_a_damaged_page_left_undecodable_is_shown_replaced(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    Ledger(run / "ledger.sqlite").create_run("r1", {"model": "tiny-dense"}, ["warmup"])
+    with sqlite3.connect(run / "ledger.sqlite") as db:
+        db.execute("UPDATE stages SET reason = CAST(x'ff41d8' AS TEXT)")
+    assert _main("report", str(run)) == 0
+    assert "\ufffdA\ufffd" in capsys.readouterr().out
 
 
 class StubExecutor:
@@ -186,11 +201,52 @@ def _main(*args: str) -> int:
     return int(exited.value.code or 0)
 
 
-def test_a_nan_loss_fails_the_warmup_gate_and_resume_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def _inventory(tmp_path: Path) -> Path:
     inventory = tmp_path / "inv.ini"
     inventory.write_text("[cpu]\nn1 ansible_host=192.0.2.1\n[cpu:vars]\nstepdeploy_gpus_per_node=0\n"
                          "stepdeploy_profile=sim-cpu\n")
+    return inventory
+
+
+def test_resume_replaces_a_running_attempt_whose_run_directory_is_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from stepdeploy.rollout import attempt as real
+
+    def executor_for(cluster: object, local: Path) -> object:  # the deleted run directory is read for real
+        return real.executor_for(cluster, local) if "deleted" in str(local) else StubExecutor()  # type: ignore
+
+    monkeypatch.setattr("stepdeploy.rollout.runner.executor_for", executor_for)
+    run = tmp_path / "gone"
+    run.mkdir()
+    led = Ledger(run / "ledger.sqlite")
+    led.create_run("gone", {"inventory": str(_inventory(tmp_path)), "model": "tiny-dense", "stages": ["warmup"]},
+                   ["warmup"])
+    led.set_stage("gone", "warmup", "running")
+    led.start_attempt("gone", "warmup", "target", {"local_run": str(run / "attempts" / "deleted")})
+    StubExecutor.losses = [5.0, 4.5, 4.0]
+    assert _main("rollout", "resume", str(run)) == 0, capsys.readouterr().err
+    attempts = led.attempts("gone")
+    assert [a["status"] for a in attempts] == ["failed", "passed"]
+    assert attempts[0]["detail"]["reason"].startswith("cannot re-attach: ")
+
+
+def test_a_stage_that_cannot_render_fails_as_a_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    def refuse(*_args: object) -> None:
+        raise BadInput("the rendering was refused")
+
+    monkeypatch.setattr("stepdeploy.rollout.runner.render_attempt", refuse)
+    run = tmp_path / "refused"
+    assert _main("rollout", "run", "-i", str(_inventory(tmp_path)), "-m", "tiny-dense", "--stages", "warmup",
+                 "--run-dir", str(run)) == 1
+    assert "error: warmup: the rendering was refused" in capsys.readouterr().err
+    led = Ledger(run / "ledger.sqlite")
+    assert [(s.name, s.status) for s in led.stages("refused")] == [("warmup", "failed")]
+
+
+def test_a_nan_loss_fails_the_warmup_gate_and_resume_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    inventory = _inventory(tmp_path)
     monkeypatch.setattr("stepdeploy.rollout.runner.executor_for", StubExecutor)
     run = tmp_path / "nanrun"
     StubExecutor.losses = [5.0, math.nan, 4.0]
