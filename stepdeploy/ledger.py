@@ -153,7 +153,7 @@ class Ledger:
                     for statement in filter(str.strip, _MIGRATE_1.split(";")):
                         db.execute(statement)
                     db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # sqlite's message can quote damaged bytes
             raise NotALedger(f"{self.path}: not a readable rollout ledger ({exc})",
                              hint="stepdeploy rollout list  (shows the runs and their directories)") from None
 
@@ -171,6 +171,10 @@ class Ledger:
         if version not in (1, SCHEMA_VERSION):
             raise NotALedger(f"{self.path}: a rollout ledger of schema {row[0] if row else '(none)'}; this "
                              f"stepdeploy reads schema 1 and {SCHEMA_VERSION}", hint=hint)
+        damage = [str(r[0]) for r in self.db.execute("PRAGMA quick_check(3)")]
+        if damage != ["ok"]:  # a damaged page or index would fail a later query: refuse it now
+            found = " ".join("; ".join(damage).split())[:200]
+            raise NotALedger(f"{self.path}: the rollout ledger is damaged ({found})", hint=hint)
         self._check_rows(_V1_COLUMNS if version == 1 else _COLUMNS)
         return version
 

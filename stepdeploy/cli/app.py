@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import sqlite3
 import sys
 
 import typer
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except sqlite3.DatabaseError as exc:  # a ledger damaged after it was opened and checked
+        _fail(f"a rollout ledger cannot be read: {exc}", "stepdeploy rollout list", EXIT_BAD_INPUT)
     except OSError as exc:
         if exc.errno == errno.EPIPE:  # stdout closed early (`| head`): nothing more to say
             sys.exit(EXIT_FAILED)

@@ -33,17 +33,22 @@ def insecure_option() -> Any:
     return typer.Option(False, "--insecure", help=INSECURE_HELP)
 
 
+def warn_unverified(cluster: Cluster) -> dict[str, list[str]]:
+    """One warning per inventory setting that turns host-key checking off, naming it and its hosts."""
+    by_variable: dict[str, list[str]] = {}
+    for node in cluster.unverified():
+        by_variable.setdefault(str(node.ssh.unverified_by), []).append(node.name)
+    for variable, names in by_variable.items():
+        warn(f"{variable} turns SSH host-key checking off for {', '.join(names)}")
+    return by_variable
+
+
 def check_host_keys(cluster: Cluster, insecure: bool) -> Cluster:
     """The cluster as a command that connects to its nodes may use it. An inventory that turns host-key
     checking off gets a warning naming the variable, and is refused unless `insecure`; accepted, those nodes'
     connections take unknown keys (SshSettings.host_key_checking False)."""
-    unverified = cluster.unverified()
-    by_variable: dict[str, list[str]] = {}
-    for node in unverified:
-        by_variable.setdefault(str(node.ssh.unverified_by), []).append(node.name)
-    for variable, names in by_variable.items():
-        warn(f"{variable} turns SSH host-key checking off for {', '.join(names)}")
-    if not unverified:
+    by_variable = warn_unverified(cluster)
+    if not by_variable:
         return cluster
     if not insecure:
         first = next(iter(by_variable))

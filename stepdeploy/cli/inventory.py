@@ -7,6 +7,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from stepdeploy.cli.common import warn_unverified
 from stepdeploy.cli.output import emit_json, err, out
 from stepdeploy.inventory import Cluster, Node, load_cluster
 from stepdeploy.stack import StackProfile
@@ -33,6 +34,7 @@ def show(
     cluster = load_cluster(path)
     for warning in cluster.warnings:
         err.print(f"warning: {warning}", markup=False)
+    warn_unverified(cluster)  # shown, not refused: nothing connects here
     if json_output:
         emit_json(cluster.model_dump(mode="json"))
     else:

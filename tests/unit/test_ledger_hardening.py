@@ -104,9 +104,29 @@ def _corrupt(kind: str, path: Path) -> None:
         os.mkfifo(path)
     elif kind == "empty":
         path.touch()
+    elif kind == "damaged schema":  # a byte of the schema's text that is not UTF-8 (sqlite quotes it)
+        led = Ledger(path)
+        led.create_run("r1", {}, ["warmup"])
+        led.close()
+        data = bytearray(path.read_bytes())
+        at = data.index(b"threshold TEXT NOT NULL") + 3
+        data[at] = 0x85
+        path.write_bytes(bytes(data))
+    elif kind == "damaged index":
+        led = Ledger(path)
+        led.create_run("r1", {}, ["warmup"])
+        led.add_metrics("r1", 1, [(float(i), 0, i, "loss", 1.0) for i in range(300)])
+        led.close()
+        with sqlite3.connect(path) as db:
+            root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'metrics_by_attempt'").fetchone()[0]
+            size = db.execute("PRAGMA page_size").fetchone()[0]
+        data = bytearray(path.read_bytes())
+        data[(root - 1) * size + 8: (root - 1) * size + 64] = os.urandom(56)
+        path.write_bytes(bytes(data))
 
 
-KINDS = ["random bytes", "truncated", "foreign database", "newer schema", "wrong types", "config not JSON", "fifo"]
+KINDS = ["random bytes", "truncated", "foreign database", "newer schema", "wrong types", "config not JSON", "fifo",
+         "damaged schema", "damaged index"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -313,7 +313,8 @@ def manifest_spec(draw: st.DrawFn, inventory: str, names: list[str]) -> tuple[st
 OUT_PATHS = ["out", "runs/new", "nested/deeper/out", "existing-file", "existing-dir", "fifo", "/dev/null",
              "/proc/stepdeploy-fuzz/out", "/sys/stepdeploy-fuzz", "", ".", "existing-file/under", "[/x]", "a\nb",
              "-rf", "$(touch PWNED)", "\x1b[2J"]
-MODELS = ["tiny-dense", "tiny-moe"] * 3 + ["proxy-0.7b-dense", "nope", "", "TINY-DENSE", "[/x]", "../x"]
+MODELS = ["tiny-dense", "tiny-moe"] * 3 + ["nope", "", "TINY-DENSE", "[/x]", "../x"] + (["proxy-0.7b-dense"] if WIDE
+                                                                                     else [])
 GPUS = ["H100", "H200", "B200", "GB10", "h200", "", "A100", "[/x]"]
 LINKS = ["ib-400g", "roce-200g", "ethernet-tcp", "nvlink4", "", "x"]
 LAYOUT_KEYS = ["tp", "pp", "vpp", "cp", "ep", "etp", "mbs", "recompute", "dist-opt", "offload", "sp", "ce-fusion",

@@ -78,6 +78,8 @@ def test_commands_that_connect_refuse_an_inventory_without_host_key_checking(tmp
         lines = res.stderr.splitlines()
         assert lines[0].startswith(f"warning: {variable}=") and "turns SSH host-key checking off for n1" in lines[0]
         assert lines[1].startswith("error: ") and "--insecure" in lines[2] and "Traceback" not in res.stderr
+    shown = _cli("inventory", "show", str(inventory), cwd=tmp_path)  # connects to nothing: warned, not refused
+    assert shown.returncode == 0 and shown.stderr.startswith(f"warning: {variable}=")
     accepted = _cli("preflight", str(inventory), "--insecure", "--timeout", "5", cwd=tmp_path)
     assert accepted.returncode == 3, accepted.stderr  # on to the node, which does not answer on port 1
     assert accepted.stderr.startswith(f"warning: {variable}=") and "error:" not in accepted.stderr
