@@ -176,6 +176,7 @@ class Ledger:
             found = " ".join("; ".join(damage).split())[:200]
             raise NotALedger(f"{self.path}: the rollout ledger is damaged ({found})", hint=hint)
         self._check_rows(_V1_COLUMNS if version == 1 else _COLUMNS)
+        self._check_links()
         return version
 
     def _check_rows(self, spec: dict[str, dict[str, tuple[str, ...]]]) -> None:
@@ -189,6 +190,15 @@ class Ledger:
             if bad is not None:
                 raise NotALedger(f"{self.path}: row {bad[0]} of table {table} holds values of the wrong type; "
                                  "the ledger is corrupt")
+
+    def _check_links(self) -> None:
+        """Every attempt, rung and verdict belongs to a stage of its run (what this ledger always writes)."""
+        for table, stage in (("attempts", "stage"), ("rungs", "stage"), ("verdicts", "stage")):
+            orphan = self.db.execute(f"SELECT {stage} FROM {table} t WHERE NOT EXISTS (SELECT 1 FROM stages s "
+                                     f"WHERE s.run_id = t.run_id AND s.name = t.{stage}) LIMIT 1").fetchone()
+            if orphan is not None:
+                raise NotALedger(f"{self.path}: table {table} names stage {orphan[0]!r}, which its run does not "
+                                 "have; the ledger is inconsistent")
 
     def close(self) -> None:
         self.db.close()

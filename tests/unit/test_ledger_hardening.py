@@ -104,6 +104,10 @@ def _corrupt(kind: str, path: Path) -> None:
         os.mkfifo(path)
     elif kind == "empty":
         path.touch()
+    elif kind == "orphan attempt":  # an attempt of a stage the run does not have (the report met it)
+        led = Ledger(path)
+        led.create_run("r1", {}, ["bake"])
+        led.add_metrics("r1", led.start_attempt("r1", "warmup", "target", {}), [(1.0, 0, 1, "loss", 2.0)])
     elif kind == "damaged schema":  # a byte of the schema's text that is not UTF-8 (sqlite quotes it)
         led = Ledger(path)
         led.create_run("r1", {}, ["warmup"])
@@ -126,7 +130,7 @@ def _corrupt(kind: str, path: Path) -> None:
 
 
 KINDS = ["random bytes", "truncated", "foreign database", "newer schema", "wrong types", "config not JSON", "fifo",
-         "damaged schema", "damaged index"]
+         "damaged schema", "damaged index", "orphan attempt"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
