@@ -3,12 +3,17 @@
 Every transition is written (and committed) before it is acted on, so a controller killed at any instant
 leaves a ledger from which `rollout resume` continues. Rows are never rewritten into the past: a stage's
 status moves forward, attempts and events are appended. One controller at a time holds the run's lock.
+
+A file that is not such a ledger (corrupt, another program's SQLite database, a newer schema, rows of the
+wrong type) is refused with one BadInput line before anything reads from or writes to it. A metric that is
+not finite (a NaN loss) is stored as NULL with `nonfinite` saying what it was, so the loss gate can judge it.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import socket
 import sqlite3
@@ -19,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stepdeploy.errors import StepdeployError
+from stepdeploy import safeio
+from stepdeploy.errors import BadInput, StepdeployError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: metrics.value may be NULL, with metrics.nonfinite ('nan', 'inf', '-inf')
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
@@ -46,9 +52,40 @@ CREATE TABLE IF NOT EXISTS verdicts (
     threshold TEXT NOT NULL, reason TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS metrics (
     run_id TEXT NOT NULL, attempt_id INTEGER NOT NULL, ts REAL NOT NULL, rank INTEGER NOT NULL,
-    iteration INTEGER NOT NULL, name TEXT NOT NULL, value REAL NOT NULL);
+    iteration INTEGER NOT NULL, name TEXT NOT NULL, value REAL, nonfinite TEXT);
 CREATE INDEX IF NOT EXISTS metrics_by_attempt ON metrics (attempt_id, name, iteration);
 """
+# Version 1's metrics table held finite values only (value REAL NOT NULL); version 2 rebuilds it.
+_MIGRATE_1 = """
+ALTER TABLE metrics RENAME TO metrics_v1;
+CREATE TABLE metrics (
+    run_id TEXT NOT NULL, attempt_id INTEGER NOT NULL, ts REAL NOT NULL, rank INTEGER NOT NULL,
+    iteration INTEGER NOT NULL, name TEXT NOT NULL, value REAL, nonfinite TEXT);
+INSERT INTO metrics SELECT run_id, attempt_id, ts, rank, iteration, name, value, NULL FROM metrics_v1;
+DROP TABLE metrics_v1;
+DROP INDEX IF EXISTS metrics_by_attempt;
+CREATE INDEX metrics_by_attempt ON metrics (attempt_id, name, iteration);
+"""
+_NUMBER, _TEXT, _INT = ("real", "integer"), ("text",), ("integer",)
+# What every column must hold (SQLite stores any type anywhere): checked when a ledger is opened, so that the
+# report and the controller never meet a string where a time should be, or a detail that is not JSON.
+_COLUMNS: dict[str, dict[str, tuple[str, ...]]] = {
+    "meta": {"key": _TEXT, "value": _TEXT},
+    "runs": {"id": _TEXT, "created": _NUMBER, "updated": _NUMBER, "status": _TEXT, "config": ("json",)},
+    "stages": {"run_id": _TEXT, "name": _TEXT, "position": _INT, "status": _TEXT, "started": (*_NUMBER, "null"),
+               "finished": (*_NUMBER, "null"), "reason": (*_TEXT, "null")},
+    "rungs": {"run_id": _TEXT, "stage": _TEXT, "name": _TEXT, "position": _INT, "status": _TEXT,
+              "config": ("json",), "reason": (*_TEXT, "null")},
+    "attempts": {"id": _INT, "run_id": _TEXT, "stage": _TEXT, "rung": _TEXT, "number": _INT, "status": _TEXT,
+                 "started": _NUMBER, "finished": (*_NUMBER, "null"), "detail": ("json",)},
+    "events": {"id": _INT, "run_id": _TEXT, "ts": _NUMBER, "stage": (*_TEXT, "null"), "rung": (*_TEXT, "null"),
+               "kind": _TEXT, "message": _TEXT, "data": ("json",)},
+    "verdicts": {"id": _INT, "run_id": _TEXT, "ts": _NUMBER, "stage": _TEXT, "rung": _TEXT, "gate": _TEXT,
+                 "passed": _INT, "measured": ("jsonany",), "threshold": ("jsonany",), "reason": _TEXT},
+    "metrics": {"run_id": _TEXT, "attempt_id": _INT, "ts": _NUMBER, "rank": _INT, "iteration": _INT,
+                "name": _TEXT, "value": (*_NUMBER, "null"), "nonfinite": (*_TEXT, "null")},
+}
+_V1_COLUMNS = {**_COLUMNS, "metrics": {k: v for k, v in _COLUMNS["metrics"].items() if k != "nonfinite"}}
 
 # Forward-only status transitions: a resumed controller can never move a stage back into the past.
 STAGE_STATES = ("pending", "running", "passed", "failed", "skipped", "stopped")
@@ -57,6 +94,15 @@ _FINAL = {"passed", "skipped"}
 
 class LedgerLocked(StepdeployError):
     """Another controller drives this run."""
+
+
+class NotALedger(BadInput):
+    """The file is not a rollout ledger this stepdeploy can read (corrupt, foreign or newer)."""
+
+
+def _dumps(value: Any) -> str:
+    """JSON for a ledger column: standard JSON only (a NaN or infinity becomes null, never the bare word)."""
+    return json.dumps(safeio.finite(value))
 
 
 @dataclass(frozen=True)
@@ -70,18 +116,96 @@ class Stage:
 
 
 class Ledger:
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time, create: bool = True) -> None:
+        """Open the ledger at `path`, creating it when there is none (unless not `create`: a reader never
+        writes); NotALedger when the file holds something else (nothing is written to such a file)."""
         self.path = path
         self.clock = clock
-        self.db = sqlite3.connect(path, isolation_level=None, timeout=30)
+        self.create = create
+        if path.exists() or path.is_symlink():
+            safeio.require_regular(path, "rollout ledger")  # a FIFO would block sqlite forever
+        try:
+            self.db = sqlite3.connect(path, isolation_level=None, timeout=30)
+        except sqlite3.Error as exc:
+            raise NotALedger(f"{path}: cannot open the rollout ledger: {exc}") from None
+        # a damaged page can hold text that is not UTF-8: shown replaced, never an exception
+        self.db.text_factory = lambda data: data.decode("utf-8", "replace")
+        try:
+            self._open()
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _open(self) -> None:
         self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")  # a committed transition survives a power cut
-        self.db.executescript(SCHEMA)
-        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        try:
+            version = self._version()
+            if version is None and not self.create:
+                raise NotALedger(f"{self.path}: an empty file, not a rollout ledger",
+                                 hint="stepdeploy rollout list  (shows the runs and their directories)")
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")  # a committed transition survives a power cut
+            if version is None:
+                self.db.executescript(SCHEMA)
+                self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif version == 1:
+                with self.tx() as db:
+                    for statement in filter(str.strip, _MIGRATE_1.split(";")):
+                        db.execute(statement)
+                    db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # sqlite's message can quote damaged bytes
+            raise NotALedger(f"{self.path}: not a readable rollout ledger ({exc})",
+                             hint="stepdeploy rollout list  (shows the runs and their directories)") from None
+
+    def _version(self) -> int | None:
+        """The schema version of the ledger, None for a new (empty) file; NotALedger for anything else."""
+        tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            return None
+        hint = "give the run directory of a stepdeploy rollout (stepdeploy rollout list)"
+        if not set(_COLUMNS) <= tables:
+            raise NotALedger(f"{self.path}: not a stepdeploy rollout ledger (its tables: "
+                             f"{', '.join(sorted(tables))[:200]})", hint=hint)
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        version = int(row[0]) if row is not None and str(row[0]).isdigit() else None
+        if version not in (1, SCHEMA_VERSION):
+            raise NotALedger(f"{self.path}: a rollout ledger of schema {row[0] if row else '(none)'}; this "
+                             f"stepdeploy reads schema 1 and {SCHEMA_VERSION}", hint=hint)
+        damage = [str(r[0]) for r in self.db.execute("PRAGMA quick_check(3)")]
+        if damage != ["ok"]:  # a damaged page or index would fail a later query: refuse it now
+            found = " ".join("; ".join(damage).split())[:200]
+            raise NotALedger(f"{self.path}: the rollout ledger is damaged ({found})", hint=hint)
+        self._check_rows(_V1_COLUMNS if version == 1 else _COLUMNS)
+        self._check_links()
+        return version
+
+    def _check_rows(self, spec: dict[str, dict[str, tuple[str, ...]]]) -> None:
+        for table, columns in spec.items():
+            present = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            if set(columns) - present:
+                raise NotALedger(f"{self.path}: table {table} lacks {', '.join(sorted(set(columns) - present))}; "
+                                 "not a rollout ledger this stepdeploy wrote")
+            tests = [_column_test(name, kinds) for name, kinds in columns.items()]
+            bad = self.db.execute(f"SELECT rowid FROM {table} WHERE NOT ({' AND '.join(tests)}) LIMIT 1").fetchone()
+            if bad is not None:
+                raise NotALedger(f"{self.path}: row {bad[0]} of table {table} holds values of the wrong type; "
+                                 "the ledger is corrupt")
+
+    def _check_links(self) -> None:
+        """Every attempt, rung and verdict belongs to a stage of its run (what this ledger always writes)."""
+        for table, stage in (("attempts", "stage"), ("rungs", "stage"), ("verdicts", "stage")):
+            orphan = self.db.execute(f"SELECT {stage} FROM {table} t WHERE NOT EXISTS (SELECT 1 FROM stages s "
+                                     f"WHERE s.run_id = t.run_id AND s.name = t.{stage}) LIMIT 1").fetchone()
+            if orphan is not None:
+                raise NotALedger(f"{self.path}: table {table} names stage {orphan[0]!r}, which its run does not "
+                                 "have; the ledger is inconsistent")
 
     def close(self) -> None:
         self.db.close()
+
+    def _loads(self, text: str) -> Any:
+        """A JSON column (valid JSON since _check_rows, but it may nest without bound)."""
+        return safeio.loads_json(text, f"{self.path}: a JSON column")
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
@@ -97,7 +221,7 @@ class Ledger:
     def create_run(self, run_id: str, config: dict[str, Any], stages: list[str]) -> None:
         now = self.clock()
         with self.tx() as db:
-            db.execute("INSERT INTO runs VALUES (?, ?, ?, 'pending', ?)", (run_id, now, now, json.dumps(config)))
+            db.execute("INSERT INTO runs VALUES (?, ?, ?, 'pending', ?)", (run_id, now, now, _dumps(config)))
             db.executemany("INSERT INTO stages (run_id, name, position, status) VALUES (?, ?, ?, 'pending')",
                            [(run_id, name, i) for i, name in enumerate(stages)])
             self._event(db, run_id, "run", f"run {run_id} created with stages {', '.join(stages)}")
@@ -109,7 +233,7 @@ class Ledger:
         row = self.db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
         if row is None:
             raise StepdeployError(f"no run {run_id!r} in {self.path}")
-        return {**dict(row), "config": json.loads(row["config"])}
+        return {**dict(row), "config": self._loads(row["config"])}
 
     def set_run_status(self, run_id: str, status: str) -> None:
         with self.tx() as db:
@@ -148,12 +272,12 @@ class Ledger:
     def add_rungs(self, run_id: str, stage: str, rungs: list[tuple[str, dict[str, Any]]]) -> None:
         with self.tx() as db:
             db.executemany("INSERT OR IGNORE INTO rungs VALUES (?, ?, ?, ?, 'pending', ?, NULL)",
-                           [(run_id, stage, name, i, json.dumps(cfg)) for i, (name, cfg) in enumerate(rungs)])
+                           [(run_id, stage, name, i, _dumps(cfg)) for i, (name, cfg) in enumerate(rungs)])
 
     def rungs(self, run_id: str, stage: str) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT * FROM rungs WHERE run_id = ? AND stage = ? ORDER BY position",
                                (run_id, stage))
-        return [{**dict(r), "config": json.loads(r["config"])} for r in rows]
+        return [{**dict(r), "config": self._loads(r["config"])} for r in rows]
 
     def set_rung(self, run_id: str, stage: str, rung: str, status: str, reason: str | None = None) -> None:
         with self.tx() as db:
@@ -168,7 +292,7 @@ class Ledger:
                                 (run_id, stage, rung)).fetchone()[0] + 1
             cur = db.execute("INSERT INTO attempts (run_id, stage, rung, number, status, started, detail) "
                              "VALUES (?, ?, ?, ?, 'running', ?, ?)",
-                             (run_id, stage, rung, number, self.clock(), json.dumps(detail)))
+                             (run_id, stage, rung, number, self.clock(), _dumps(detail)))
             self._event(db, run_id, "attempt", f"{stage}/{rung} attempt {number} started", stage=stage,
                         rung=rung, data=detail)
             return int(cur.lastrowid or 0)
@@ -176,9 +300,9 @@ class Ledger:
     def finish_attempt(self, attempt_id: int, status: str, detail: dict[str, Any] | None = None) -> None:
         with self.tx() as db:
             row = db.execute("SELECT * FROM attempts WHERE id = ?", (attempt_id,)).fetchone()
-            merged = {**json.loads(row["detail"]), **(detail or {})}
+            merged = {**self._loads(row["detail"]), **(detail or {})}
             db.execute("UPDATE attempts SET status = ?, finished = ?, detail = ? WHERE id = ?",
-                       (status, self.clock(), json.dumps(merged), attempt_id))
+                       (status, self.clock(), _dumps(merged), attempt_id))
             self._event(db, row["run_id"], "attempt", f"{row['stage']}/{row['rung']} attempt {row['number']} "
                         f"{status}", stage=row["stage"], rung=row["rung"], data=detail or {})
 
@@ -186,22 +310,22 @@ class Ledger:
         sql, args = "SELECT * FROM attempts WHERE run_id = ?", [run_id]
         if stage is not None:
             sql, args = sql + " AND stage = ?", [*args, stage]
-        return [{**dict(r), "detail": json.loads(r["detail"])} for r in self.db.execute(sql + " ORDER BY id", args)]
+        return [{**dict(r), "detail": self._loads(r["detail"])} for r in self.db.execute(sql + " ORDER BY id", args)]
 
     def verdict(self, run_id: str, stage: str, rung: str, gate: str, passed: bool, measured: Any,
                 threshold: Any, reason: str) -> None:
         with self.tx() as db:
             db.execute("INSERT INTO verdicts (run_id, ts, stage, rung, gate, passed, measured, threshold, reason) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       (run_id, self.clock(), stage, rung, gate, int(passed), json.dumps(measured),
-                        json.dumps(threshold), reason))
+                       (run_id, self.clock(), stage, rung, gate, int(passed), _dumps(measured),
+                        _dumps(threshold), reason))
             self._event(db, run_id, "gate", f"{stage}/{rung} gate {gate} {'passed' if passed else 'FAILED'}: "
                         f"{reason}", stage=stage, rung=rung)
 
     def verdicts(self, run_id: str) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT * FROM verdicts WHERE run_id = ? ORDER BY id", (run_id,))
-        return [{**dict(r), "passed": bool(r["passed"]), "measured": json.loads(r["measured"]),
-                 "threshold": json.loads(r["threshold"])} for r in rows]
+        return [{**dict(r), "passed": bool(r["passed"]), "measured": self._loads(r["measured"]),
+                 "threshold": self._loads(r["threshold"])} for r in rows]
 
     def event(self, run_id: str, kind: str, message: str, *, stage: str | None = None, rung: str | None = None,
               data: dict[str, Any] | None = None) -> None:
@@ -211,26 +335,48 @@ class Ledger:
     def _event(self, db: sqlite3.Connection, run_id: str, kind: str, message: str, *, stage: str | None = None,
                rung: str | None = None, data: dict[str, Any] | None = None) -> None:
         db.execute("INSERT INTO events (run_id, ts, stage, rung, kind, message, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                   (run_id, self.clock(), stage, rung, kind, message, json.dumps(data or {})))
+                   (run_id, self.clock(), stage, rung, kind, message, _dumps(data or {})))
 
     def events(self, run_id: str, since_id: int = 0) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, since_id))
-        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+        return [{**dict(r), "data": self._loads(r["data"])} for r in rows]
 
     def add_metrics(self, run_id: str, attempt_id: int, rows: list[tuple[float, int, int, str, float]]) -> None:
-        """rows: (ts, rank, iteration, name, value), already downsampled by the caller."""
+        """rows: (ts, rank, iteration, name, value), already downsampled by the caller. A value that is not
+        finite (a NaN loss) is stored as NULL with `nonfinite` saying what it was: the gates judge it, the
+        ledger never refuses it."""
         with self.tx() as db:
-            db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?)",
-                           [(run_id, attempt_id, *row) for row in rows])
+            db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           [(run_id, attempt_id, *row[:4], *_metric_value(row[4])) for row in rows])
 
     def metric_names(self, run_id: str) -> list[str]:
         rows = self.db.execute("SELECT DISTINCT name FROM metrics WHERE run_id = ? ORDER BY name", (run_id,))
         return [r["name"] for r in rows]
 
     def metrics(self, run_id: str, name: str) -> list[dict[str, Any]]:
-        rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND name = ? ORDER BY ts, rank",
-                               (run_id, name))
+        """The finite values of metric `name` (see nonfinite_metrics for the others)."""
+        rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND name = ? AND value IS NOT NULL "
+                               "ORDER BY ts, rank", (run_id, name))
         return [dict(r) for r in rows]
+
+    def nonfinite_metrics(self, run_id: str) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND value IS NULL ORDER BY ts, rank",
+                               (run_id,))
+        return [dict(r) for r in rows]
+
+
+def _metric_value(value: float) -> tuple[float | None, str | None]:
+    number = float(value)
+    return (number, None) if math.isfinite(number) else (None, repr(number))
+
+
+def _column_test(name: str, kinds: tuple[str, ...]) -> str:
+    """SQL that is true when column `name` holds one of `kinds` (SQLite types, or JSON text)."""
+    if kinds == ("json",):
+        return f"(typeof({name}) = 'text' AND json_valid({name}) AND json_type({name}) = 'object')"
+    if kinds == ("jsonany",):
+        return f"(typeof({name}) = 'text' AND json_valid({name}))"
+    return f"typeof({name}) IN ({', '.join(repr(k) for k in kinds)})"
 
 
 @contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import sqlite3
 import sys
 
 import typer
@@ -18,8 +20,13 @@ from stepdeploy.cli import report as report_cmd
 from stepdeploy.cli import rollout as rollout_cmd
 from stepdeploy.cli import run as run_cmd
 from stepdeploy.cli import sim as sim_cmd
-from stepdeploy.cli.output import err
-from stepdeploy.errors import StepdeployError
+from stepdeploy.cli.output import err, printable
+from stepdeploy.errors import EXIT_BAD_INPUT, EXIT_FAILED, StepdeployError
+
+try:  # typer >= 0.2x carries its own click (typer._click); its exceptions derive from TyperException
+    from typer import TyperException as UsageProblem
+except ImportError:  # pragma: no cover - an older typer on the real click
+    from click import ClickException as UsageProblem
 
 EXIT_CODES = """Exit codes: 0 ok, 1 checks or stages failed, 2 bad input, 3 nodes unreachable,
 4 missing prerequisite on this machine (root, host package)."""
@@ -72,14 +79,44 @@ app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i i
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: every StepdeployError becomes one line on stderr and its exit code."""
+    """Console-script entry point: every StepdeployError, every option click refuses and every file the OS
+    refuses becomes one `error:` line on stderr (and often a `hint:` line) and its exit code."""
     try:
-        app(args=argv, prog_name="stepdeploy")
+        code = app(args=argv, prog_name="stepdeploy", standalone_mode=False)
+    except UsageProblem as exc:  # an unknown option, a value of the wrong type or range
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare group: its help, then what is missing
+            exc.show()  # type: ignore[attr-defined]
+            path = ctx.command_path if ctx else "stepdeploy"
+            commands = ", ".join(getattr(ctx.command, "commands", {})) if ctx else ""
+            _fail(f"{path} needs a command: {commands}", f"{path} --help", EXIT_BAD_INPUT)
+        _fail(exc.format_message(), f"{ctx.command_path if ctx else 'stepdeploy'} --help", EXIT_BAD_INPUT)
     except StepdeployError as exc:
-        err.print(f"error: {exc.message}", markup=False, soft_wrap=True)
-        if exc.hint:
-            err.print(f"hint: {exc.hint}", markup=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
+        _fail(exc.message, exc.hint, exc.exit_code)
+    except typer.Abort:
+        _fail("aborted", None, EXIT_FAILED)
     except KeyboardInterrupt:
-        err.print("interrupted", markup=False)
+        err.print("interrupted")
         sys.exit(130)
+    except sqlite3.DatabaseError as exc:  # a ledger damaged after it was opened and checked
+        _fail(f"a rollout ledger cannot be read: {exc}", "stepdeploy rollout list", EXIT_BAD_INPUT)
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:  # stdout closed early (`| head`): nothing more to say
+            sys.exit(EXIT_FAILED)
+        if exc.filename is None:
+            raise
+        _fail(f"{exc.filename}: {exc.strerror or exc}", None, EXIT_BAD_INPUT)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, hint: str | None, code: int) -> None:
+    """One `error:` line (and a `hint:` line): newlines and control characters in the message are written
+    out, so user data can neither split the line nor reach the terminal as escape sequences."""
+    err.print(f"error: {_one_line(message)}", soft_wrap=True)
+    if hint:
+        err.print(f"hint: {_one_line(hint)}", soft_wrap=True)
+    sys.exit(code)
+
+
+def _one_line(text: str) -> str:
+    return printable(text.strip()).replace("\n", "\\n").replace("\t", " ")

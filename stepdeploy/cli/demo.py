@@ -15,9 +15,11 @@ from pathlib import Path
 
 import typer
 
+from stepdeploy import safeio
 from stepdeploy.cli.output import err, info
+from stepdeploy.cli.rollout import parse_duration
 from stepdeploy.errors import StepdeployError
-from stepdeploy.sim.cluster import SimConfig
+from stepdeploy.sim.cluster import MAX_NODES, SimConfig
 
 # The simulated nodes share this machine's cores: two ranks cannot scale like two GPUs, so the demo's
 # scaling gate is set for that (a real cluster keeps the default 0.7); small sequences keep it quick.
@@ -31,7 +33,7 @@ DEMO_ROLLOUT = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "5", "--scal
 
 
 def demo(
-    nodes: int = typer.Option(2, "--nodes", "-N", min=1, help="Nodes in the simulated cluster."),
+    nodes: int = typer.Option(2, "--nodes", "-N", min=1, max=MAX_NODES, help="Nodes in the simulated cluster."),
     soak: str = typer.Option("30s", "--soak-duration", help="Length of the demo's soak stage."),
     runs: Path = typer.Option(Path("runs"), "--runs", help="Where the rollout's run directory goes."),
     keep: bool = typer.Option(False, "--keep", help="Leave the cluster running afterwards."),
@@ -39,6 +41,8 @@ def demo(
     """Run the whole pipeline on the embedded simulated cluster (needs root; the first run builds the node
     image, a few minutes): sim up, inventory, provision, preflight, plan, render + run launch/logs/stop,
     data prepare, rollout on that data, report, sim down."""
+    parse_duration(soak)  # every option is checked before the first step changes anything
+    safeio.check_output_dir(runs, "demo's run directories")
     inv = str(SimConfig().inventory)
     stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
     run_dir, launch_dir = runs / f"demo-{stamp}", runs / f"demo-launch-{stamp}"

@@ -7,11 +7,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from stepdeploy.cli.common import warn_unverified
 from stepdeploy.cli.output import emit_json, err, out
 from stepdeploy.inventory import Cluster, Node, load_cluster
 from stepdeploy.stack import StackProfile
 
-app = typer.Typer(help="Read an Ansible inventory into stepdeploy's cluster model.", no_args_is_help=True)
+app = typer.Typer(help="Read an Ansible inventory into stepdeploy's cluster model.",
+                  epilog="Example: stepdeploy inventory show inventory/dgx.ini --json", no_args_is_help=True)
 
 _STACK_LABELS = (
     ("driver", "driver"), ("cuda", "CUDA"), ("cudnn", "cuDNN"), ("nccl", "NCCL"), ("python", "Python"),
@@ -32,6 +34,7 @@ def show(
     cluster = load_cluster(path)
     for warning in cluster.warnings:
         err.print(f"warning: {warning}", markup=False)
+    warn_unverified(cluster)  # shown, not refused: nothing connects here
     if json_output:
         emit_json(cluster.model_dump(mode="json"))
     else:

@@ -9,15 +9,15 @@ import sys
 from typing import Any
 
 import typer
-from rich.console import Console
 
 from stepdeploy.catalog import load_hardware, load_model
-from stepdeploy.cli.output import emit_json, info, out
+from stepdeploy.cli.common import finite_option
+from stepdeploy.cli.output import console, emit_json, info, out
 from stepdeploy.cli.rollout import parse_mtbf
 from stepdeploy.errors import EXIT_FAILED, BadInput
 from stepdeploy.inventory import load_cluster
 from stepdeploy.plan import checkpoint, report
-from stepdeploy.plan.cluster import ClusterShape, cluster_shape, shape_from_cluster
+from stepdeploy.plan.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterShape, cluster_shape, shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, parse_layout
 from stepdeploy.plan.params import count_parameters
 from stepdeploy.plan.search import PlanResult, judge, search, smallest_fitting_cluster
@@ -29,7 +29,7 @@ def _table(table: Any) -> None:
     if out.is_terminal:
         out.print(table)
         return
-    Console(file=sys.stdout, width=TABLE_WIDTH, highlight=False).print(table)
+    console(file=sys.stdout, width=TABLE_WIDTH, highlight=False).print(table)
 
 
 def _inventory_shape(path: str) -> ClusterShape:
@@ -104,17 +104,19 @@ def _print_result(result: PlanResult, top: int) -> None:
 def plan(
     model: str = typer.Option(..., "--model", "-m", help="Catalog model, e.g. step-3.5-flash."),
     inventory: str | None = typer.Option(None, "--inventory", "-i", help="Ansible inventory (INI/YAML)."),
-    nodes: int | None = typer.Option(None, "--nodes", help="Node count (overrides the inventory)."),
-    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node."),
+    nodes: int | None = typer.Option(None, "--nodes", min=1, max=MAX_NODES, help="Node count (overrides the "
+                                     "inventory)."),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", min=1, max=MAX_GPUS_PER_NODE,
+                                             help="GPUs per node."),
     gpu: str | None = typer.Option(None, "--gpu", help="H100, H200, B200 or GB10."),
     link: str | None = typer.Option(
         None, "--link", help="Inter-node link: ib-400g, roce-200g, ethernet-tcp."
     ),
-    seq: int | None = typer.Option(None, "--seq", help="Sequence length (default: the model's)."),
-    gbs: int | None = typer.Option(None, "--gbs", help="Global batch size (default: the model's)."),
+    seq: int | None = typer.Option(None, "--seq", min=1, help="Sequence length (default: the model's)."),
+    gbs: int | None = typer.Option(None, "--gbs", min=1, help="Global batch size (default: the model's)."),
     layout: str | None = typer.Option(None, "--layout", help="Judge one layout: tp=8,pp=2,ep=4,mbs=1,..."),
     top: int = typer.Option(10, "--top", "-k", min=1, help="How many fitting layouts to show."),
-    margin: float = typer.Option(0.10, "--margin", min=0.0, max=0.9, help="Memory kept free, as a fraction."),
+    margin: float = finite_option(0.10, "--margin", min=0.0, max=0.9, help="Memory kept free, as a fraction."),
     explain: bool = typer.Option(False, "--explain", help="Show the per-layer parameter breakdown."),
     mtbf: str | None = typer.Option(None, "--mtbf", help="The job's mean time between failures for the checkpoint "
                                     "interval, e.g. 6h (default: Llama 3's failure rate per GPU x the GPUs)."),
@@ -127,7 +129,8 @@ def plan(
     mtbf_s = parse_mtbf(mtbf)
     spec, hardware = load_model(model), load_hardware()
     cluster = _cluster(inventory, nodes, gpus_per_node, gpu, link)
-    seq_length, global_batch = seq or spec.training.seq_length, gbs or spec.training.global_batch_size
+    seq_length = seq if seq is not None else spec.training.seq_length
+    global_batch = gbs if gbs is not None else spec.training.global_batch_size
     if explain:
         _explain(model, as_json)
     params = count_parameters(spec)

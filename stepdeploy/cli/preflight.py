@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import typer
 
+from stepdeploy.cli.common import check_host_keys, finite_option, insecure_option
 from stepdeploy.cli.output import emit_json, info, out
 from stepdeploy.errors import BadInput
 
@@ -20,12 +22,14 @@ def preflight(
     bandwidth: bool = typer.Option(True, "--bandwidth/--no-bandwidth", help="Run the all_reduce sweep and gate."),
     sizes: str | None = typer.Option(None, "--sizes", help="Sweep message sizes, e.g. 1M,16M,256M,1G "
                                                            "(default: those for NCCL, smaller ones for gloo)."),
-    iters: int = typer.Option(20, "--iters", min=1, help="Timed all_reduce calls per size."),
-    timeout: float = typer.Option(60.0, "--timeout", min=1, help="Seconds a node may take to answer the probe."),
+    iters: int = typer.Option(20, "--iters", min=1, max=100_000, help="Timed all_reduce calls per size."),
+    timeout: float = finite_option(60.0, "--timeout", min=1, max=86400,
+                                   help="Seconds a node may take to answer the probe."),
     checkpoint_dir: str = typer.Option("/", "--checkpoint-dir", help="Where checkpoints go (free-disk check)."),
-    min_free_gib: float = typer.Option(50.0, "--min-free-gib", min=0, help="Free space needed there."),
+    min_free_gib: float = finite_option(50.0, "--min-free-gib", min=0, help="Free space needed there."),
     python: str | None = typer.Option(None, "--python", help="The training environment's python on the nodes "
                                                              "(default: /opt/stepdeploy/venv/bin/python, python3)."),
+    insecure: bool = insecure_option(),
 ) -> None:
     """Per-node and cross-node checks with an all_reduce bandwidth gate.
 
@@ -37,7 +41,8 @@ def preflight(
     from stepdeploy.preflight import runner
     from stepdeploy.stack import get_profile
 
-    nodes, declared = _nodes(inventory, local, limit)
+    _check_sizes(sizes)
+    nodes, declared = _nodes(inventory, local, limit, insecure)
     chosen = get_profile(profile) if profile else declared
     opts = runner.Options(local=local, checkpoint_dir=checkpoint_dir, min_free_gib=min_free_gib,
                           timeout_s=timeout, bandwidth=bandwidth, sizes=sizes, iters=iters,
@@ -50,7 +55,22 @@ def preflight(
     raise typer.Exit(result.exit_code)
 
 
-def _nodes(inventory: Path | None, local: bool, limit: str | None):
+# what nccl_bench.parse_size reads, at most 16 sizes of at most 8 GiB (each is one tensor on every GPU)
+_SIZE = re.compile(r"([0-9]{1,10})([KMG]?)(i?B)?", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def _check_sizes(sizes: str | None) -> None:
+    if sizes is None:
+        return
+    parts = sizes.split(",")
+    matches = [_SIZE.fullmatch(part.strip()) for part in parts]
+    if len(parts) > 16 or not all(matches) or any(
+            int(m[1]) * _UNITS[m[2].upper()] > 8 * 1024**3 for m in matches if m):
+        raise BadInput(f"--sizes {sizes!r}: give at most 16 message sizes of at most 8G, e.g. 1M,16M,256M,1G")
+
+
+def _nodes(inventory: Path | None, local: bool, limit: str | None, insecure: bool):
     from stepdeploy.inventory import load_cluster
     from stepdeploy.preflight.runner import this_machine
 
@@ -60,6 +80,8 @@ def _nodes(inventory: Path | None, local: bool, limit: str | None):
                            hint="stepdeploy preflight inventory/dgx.ini  (or: stepdeploy preflight --local)")
         return [this_machine()], None
     cluster = load_cluster(inventory)
+    if not local:  # --local connects to nothing
+        cluster = check_host_keys(cluster, insecure)
     nodes = cluster.nodes
     if limit:
         wanted = [n.strip() for n in limit.split(",") if n.strip()]

@@ -11,6 +11,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from stepdeploy import safeio
+from stepdeploy.cli.common import connecting_cluster, insecure_option
 from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.errors import EXIT_FAILED, EXIT_UNREACHABLE, StepdeployError
 from stepdeploy.provision.progress import Progress
@@ -30,11 +32,18 @@ def provision(
         None, "--facts-dir", help="Where each node's NCCL facts are saved as NODE.json (default: .stepdeploy/facts "
         "next to the inventory; `stepdeploy render` reads them from there)."),
     json_out: bool = typer.Option(False, "--json", help="Print the recap as JSON to stdout."),
+    insecure: bool = insecure_option(),
 ) -> None:
     """Provision every node: facts + compatibility check first (nothing changes on a conflict), then the
     roles common, nvidia_driver, cuda_toolkit, nccl, python_env, infiniband; each node's NCCL facts are
     brought back to --facts-dir for `stepdeploy render`. Exit 0 ok, 1 a task failed, 2 bad inventory,
     3 a node unreachable."""
+    # ansible connects as the inventory says: one that turns host-key checking off is refused unless --insecure
+    connecting_cluster(str(inventory), insecure)
+    if log_dir is not None:
+        safeio.check_output_dir(log_dir, "provisioning logs")
+    if facts_dir is not None:
+        safeio.check_output_dir(facts_dir, "NCCL facts")
     request = ProvisionRequest(inventory=inventory, check=check, diff=diff, tags=tags, limit=limit,
                                log_dir=log_dir, facts_dir=facts_dir)
     started = time.monotonic()

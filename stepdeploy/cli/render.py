@@ -11,9 +11,10 @@ from pathlib import Path
 
 import typer
 
+from stepdeploy.cli.common import finite_option
 from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.render import RenderOptions, parse_env
-from stepdeploy.render.build import build, write_run
+from stepdeploy.render.build import build, check_out_dir, write_run
 from stepdeploy.render.options import REMOTE_RUNS, SEED_OPTIONS, STAGE_ITERATIONS
 
 
@@ -31,7 +32,7 @@ def render(
     nproc: int | None = typer.Option(None, "--nproc-per-node", min=1, help="Ranks per node (default: GPUs)."),
     pg_timeout: int = typer.Option(120, "--pg-timeout", min=1, help="Process-group timeout, seconds."),
     save_interval: int = typer.Option(0, "--save-interval", min=0, help="Checkpoint every N steps (0: at end)."),
-    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate (default: the model's, else 3e-3)."),
+    lr: float | None = finite_option(None, "--lr", help="Peak learning rate (default: the model's, else 3e-3)."),
     seed_option: list[str] = typer.Option([], "--seed-option", help=f"{', '.join(SEED_OPTIONS)}."),
     env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE for every rank (quoted when rendered)."),
     no_nvls: bool = typer.Option(False, "--no-nvls", help="NCCL_NVLS_ENABLE=0 and the other multicast switches."),
@@ -52,6 +53,8 @@ def render(
         nproc_per_node=nproc, pg_timeout_s=pg_timeout, save_interval=save_interval, lr=lr,
         seed_options=tuple(seed_option), extra_env=parse_env(env), disable_nvls=no_nvls,
         remote_dir=remote_dir, python=python, data=str(data) if data else None)
+    if not dry_run:
+        check_out_dir(out_dir)  # before the work of rendering: a run directory is never written twice
     rendered = build(inventory, model, layout, opts, facts_dir)
     for note in rendered.notes:
         err.print(f"note: {note}", markup=False, soft_wrap=True)

@@ -5,14 +5,13 @@ Exit codes: 0 the report was made (whatever the run's outcome), 2 no run directo
 
 from __future__ import annotations
 
-import sqlite3
 import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from stepdeploy.cli.output import emit_json, info, out
+from stepdeploy import safeio
+from stepdeploy.cli.output import console, emit_json, info, out
 from stepdeploy.errors import BadInput
 from stepdeploy.ledger import Ledger
 from stepdeploy.report.summary import RunData, read_run, summarise
@@ -27,6 +26,8 @@ def report(
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
 ) -> None:
     """Summarise a rollout run: stages, gate verdicts, key figures; optionally an HTML report with plots."""
+    if html is not None:
+        safeio.check_output_file(html, "HTML report")  # before the work: a directory, a FIFO, no permission
     data = load(run)
     from stepdeploy.report import renderables, write_report  # matplotlib: loaded only to make a report
 
@@ -34,8 +35,8 @@ def report(
     if json_out:
         emit_json(summary.to_json())
     else:
-        console = out if out.is_terminal else Console(file=sys.stdout, width=TABLE_WIDTH, highlight=False)
-        console.print(renderables(summary))
+        target = out if out.is_terminal else console(file=sys.stdout, width=TABLE_WIDTH, highlight=False)
+        target.print(renderables(summary))
     if html is not None:
         written = write_report(data, summary, html)
         info(f"wrote {html} and {len(written) - 1} plot(s) next to it")
@@ -49,10 +50,7 @@ def load(run_dir: Path) -> RunData:
     path = run_dir / LEDGER_FILE
     if not path.is_file():
         raise BadInput(f"{run_dir} has no {LEDGER_FILE}: not a rollout run directory", hint=hint)
-    try:
-        ledger = Ledger(path)
-    except sqlite3.DatabaseError as exc:
-        raise BadInput(f"{path} is not a readable ledger: {exc}", hint=hint) from exc
+    ledger = Ledger(path, create=False)  # NotALedger (exit 2) for a corrupt, foreign or empty file
     try:
         return read_run(ledger, _run_id(ledger, run_dir))
     finally:

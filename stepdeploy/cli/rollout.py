@@ -13,26 +13,32 @@ import typer
 from rich.live import Live as RichLive
 from rich.table import Table
 
-from stepdeploy import corpus
+from stepdeploy import corpus, safeio
 from stepdeploy.catalog import load_model
-from stepdeploy.cli.output import emit_json, err, info, out
+from stepdeploy.cli.common import connecting_cluster, finite_option, insecure_option
+from stepdeploy.cli.output import emit_json, err, info, out, warn
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
-from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
+from stepdeploy.render.options import RUN_ID
 from stepdeploy.rollout import gates, training_gates
 from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, parse_checkpoint_interval
 from stepdeploy.rollout.inject import parse_all as parse_injections
 from stepdeploy.rollout.ladder import parse_stages, scale_ladder, target_rung
 
 app = typer.Typer(help="Staged rollout: warmup, scaling ladder, soak — gated, resumable, recorded in a ledger.",
-                  no_args_is_help=True)
+                  epilog="Example: stepdeploy rollout run -i inventory/dgx.ini --model step-3.5-flash "
+                  "--run-dir runs/r1 && stepdeploy rollout status runs/r1", no_args_is_help=True)
 RUN = typer.Argument(..., help="The run directory (holds ledger.sqlite).")
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)?$")
+INSECURE = insecure_option()
+# A rollout's name prefixes every attempt's run id (`<name>-scale-target-all-nodes-a12`), which render takes
+# up to 64 characters: the name keeps 36.
+MAX_RUN_NAME = 36
+_DURATION = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)(s|m|h|d)?")  # fullmatch: no trailing newline
 
 
 def parse_duration(text: str, option: str | None = None) -> float:
-    match = _DURATION.match(text.strip())
+    match = _DURATION.fullmatch(text.strip())
     if not match:
         raise BadInput(f"{option + ' ' if option else ''}duration {text!r} is not like 90s, 5m, 72h or 3d")
     return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2) or "s"]
@@ -63,8 +69,9 @@ def run_cmd(
     warmup_iterations: int = typer.Option(10, "--warmup-iterations", min=1),
     scale_iterations: int = typer.Option(30, "--scale-iterations", min=2),
     layout: str | None = typer.Option(None, "--layout", help="Target layout (default: the planner's best)."),
-    min_scaling_efficiency: float = typer.Option(0.7, "--min-scaling-efficiency", min=0.0),
-    max_step_time: float | None = typer.Option(None, "--max-step-time", help="Gate: steady step time ceiling, s."),
+    min_scaling_efficiency: float = finite_option(0.7, "--min-scaling-efficiency", min=0.0),
+    max_step_time: float | None = finite_option(None, "--max-step-time", min=0.0,
+                                                help="Gate: steady step time ceiling, s."),
     pg_timeout: int = typer.Option(60, "--pg-timeout", min=1, help="Process-group timeout, s."),
     seq: int | None = typer.Option(None, "--seq", min=1, help="Sequence length (default: each model's)."),
     gbs: int | None = typer.Option(None, "--gbs", min=1, help="Global batch size (default: each model's)."),
@@ -83,6 +90,7 @@ def run_cmd(
     data: Path | None = typer.Option(None, "--data", help="A dataset `stepdeploy data prepare` wrote (its prefix); "
                                      "default: synthetic tokens."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print every stage, rung and gate; start nothing."),
+    insecure: bool = INSECURE,
 ) -> None:
     """Start a rollout. Exit 0 all stages passed, 1 a gate failed (resume with `rollout resume RUN`)."""
     config = RolloutConfig(inventory=str(Path(inventory).resolve()), model=model, stages=parse_stages(stages),
@@ -108,45 +116,87 @@ def run_cmd(
     if config.mtbf_s is not None and config.checkpoint_interval != AUTO:
         raise BadInput("--mtbf is what --checkpoint-interval auto computes the interval from",
                        hint="add --checkpoint-interval auto, or drop --mtbf")
+    config = config.checked()
     run_id = (run_dir.name if run_dir else f"{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    _check_run_name(run_id)
     run_dir = run_dir or Path("runs") / run_id
+    # Everything the rollout will need is checked before its directory and ledger exist (nothing half-made).
+    cluster = _prepare(config, insecure)
     if dry_run:
-        _print_plan(config)
+        _print_plan(config, cluster)
         return
+    if run_dir.exists() and not run_dir.is_dir():
+        raise BadInput(f"{run_dir} exists and is not a directory; give another --run-dir")
     if (run_dir / "ledger.sqlite").exists():
         raise BadInput(f"{run_dir} already holds a rollout", hint=f"stepdeploy rollout resume {run_dir}")
+    safeio.check_output_dir(run_dir, "rollout")
     run_dir.mkdir(parents=True, exist_ok=True)
     with controller_lock(run_dir):
         ledger = Ledger(run_dir / "ledger.sqlite")
         ledger.create_run(run_id, config.to_json(), list(config.stages))
-        _drive(run_dir, ledger, run_id, config)
+        _drive(run_dir, ledger, run_id, config, cluster)
+
+
+def _check_run_name(run_id: str) -> None:
+    if not RUN_ID.fullmatch(run_id) or len(run_id) > MAX_RUN_NAME:
+        raise BadInput(f"rollout name {run_id!r} (the --run-dir's last part) must be 1-{MAX_RUN_NAME} letters, "
+                       "digits, '.', '_' or '-', starting with a letter or digit: it names every attempt's run")
+
+
+def _prepare(config: RolloutConfig, insecure: bool) -> Cluster:
+    """The checks a rollout passes before it starts (or is resumed, or dry-run): the inventory (and its SSH
+    host-key checking), the model, and the layout if one is given."""
+    from stepdeploy.catalog import load_model
+
+    cluster = connecting_cluster(config.inventory, insecure)
+    spec = load_model(config.model)
+    if config.proxy_model:
+        load_model(config.proxy_model)
+    if config.layout:  # judged as the warmup's rendering will judge it
+        from stepdeploy.render import RenderOptions
+        from stepdeploy.render.build import choose_layout
+        from stepdeploy.render.workload import check_engine, choose_engine
+
+        seq = config.seq_length or spec.training.seq_length
+        gbs = config.global_batch_size or spec.training.global_batch_size
+        chosen, _summary = choose_layout(cluster, spec, config.layout, seq, gbs)
+        gpus = cluster.nodes[0].gpus_per_node or 0
+        check_engine(choose_engine(RenderOptions(run_id="layout-check"), gpus), chosen, spec, gpus)
+    return cluster
 
 
 @app.command("resume", epilog="Example: stepdeploy rollout resume runs/r1 --min-scaling-efficiency 0.5")
 def resume_cmd(
     run_dir: Path = RUN,
-    min_scaling_efficiency: float | None = typer.Option(None, "--min-scaling-efficiency", min=0.0),
-    max_step_time: float | None = typer.Option(None, "--max-step-time"),
+    min_scaling_efficiency: float | None = finite_option(None, "--min-scaling-efficiency", min=0.0),
+    max_step_time: float | None = finite_option(None, "--max-step-time", min=0.0),
+    insecure: bool = INSECURE,
 ) -> None:
     """Continue a rollout: finished stages are not re-run; a running one is re-attached or restarted."""
     ledger, run_id = _open(run_dir)
+    _check_run_name(run_id)
+    config = _config(ledger, run_id)
+    cluster = _prepare(config, insecure)
     with controller_lock(run_dir):
         (run_dir / "STOP").unlink(missing_ok=True)
-        config = RolloutConfig.from_json(ledger.run(run_id)["config"])
         changes = {k: v for k, v in {"min_scaling_efficiency": min_scaling_efficiency,
                                      "max_step_time_s": max_step_time}.items() if v is not None}
         if changes:
             config = replace(config, thresholds=replace(config.thresholds, **changes))
             ledger.event(run_id, "config", f"thresholds changed on resume: {changes}")
-        _drive(run_dir, ledger, run_id, config)
+        _drive(run_dir, ledger, run_id, config, cluster)
 
 
-def _drive(run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig) -> None:
+def _config(ledger: Ledger, run_id: str) -> RolloutConfig:
+    return RolloutConfig.from_json(ledger.run(run_id)["config"], f"{ledger.path}: run {run_id}: config")
+
+
+def _drive(run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig, cluster: Cluster) -> None:
     # The controller's machinery (SSH, rendering) loads only when a rollout really runs: other commands stay fast.
     from stepdeploy.rollout.runner import Rollout
     from stepdeploy.rollout.view import PlainReporter, render
 
-    rollout = Rollout(run_dir, ledger, run_id, config)
+    rollout = Rollout(run_dir, ledger, run_id, config, cluster=cluster)
     try:
         if err.is_terminal:
             with RichLive(console=err, refresh_per_second=2, transient=True) as live:
@@ -169,9 +219,11 @@ def _drive(run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig) ->
 
 
 def _open(run_dir: Path) -> tuple[Ledger, str]:
+    if not run_dir.is_dir():
+        raise BadInput(f"{run_dir}: not a run directory", hint="stepdeploy rollout list")
     if not (run_dir / "ledger.sqlite").exists():
         raise BadInput(f"{run_dir}: no rollout ledger here", hint="stepdeploy rollout list")
-    ledger = Ledger(run_dir / "ledger.sqlite")
+    ledger = Ledger(run_dir / "ledger.sqlite", create=False)
     ids = ledger.run_ids()
     if not ids:
         raise BadInput(f"{run_dir}: the ledger holds no run")
@@ -207,21 +259,24 @@ def _print_status(ledger: Ledger, run_id: str) -> None:
 
 
 @app.command("stop", epilog="Example: stepdeploy rollout stop runs/r1")
-def stop_cmd(run_dir: Path = RUN) -> None:
+def stop_cmd(run_dir: Path = RUN, insecure: bool = INSECURE) -> None:
     """Stop a rollout: its processes on every node (proved gone), and its controller if one runs."""
     ledger, run_id = _open(run_dir)
+    cluster = connecting_cluster(_config(ledger, run_id).inventory, insecure)  # all checked before the STOP
     (run_dir / "STOP").write_text("stop requested\n")
     ledger.event(run_id, "stop", "stop requested")
-    config = RolloutConfig.from_json(ledger.run(run_id)["config"])
-    cluster = load_cluster(config.inventory)
     from stepdeploy.rollout.attempt import executor_for
 
     running = [a for a in ledger.attempts(run_id) if a["status"] == "running"]
     _let_the_controller_stop(run_dir, ledger, [a["id"] for a in running])
     left = []
     for attempt in running:  # (again) stop and prove: the job cancelled (slurm), no process left on any node
-        with executor_for(cluster, Path(attempt["detail"]["local_run"])) as executor:
-            results = executor.stop()
+        try:
+            with executor_for(cluster, Path(str(attempt["detail"].get("local_run")))) as executor:
+                results = executor.stop()
+        except BadInput as exc:  # its run directory is gone or damaged: its nodes are not known
+            left.append(f"attempt {attempt['id']}: {exc.message}")
+            continue
         left += [f"{r.node}: {r.detail}" for r in results if not r.ok]
     try:
         with controller_lock(run_dir):  # no controller: record the stop ourselves
@@ -263,18 +318,30 @@ def _let_the_controller_stop(run_dir: Path, ledger: Ledger, attempt_ids: list[in
 @app.command("list", epilog="Example: stepdeploy rollout list --runs runs")
 def list_cmd(runs: Path = typer.Option(Path("runs"), "--runs", help="Directory of run directories."),
              json_out: bool = typer.Option(False, "--json")) -> None:
-    """Every rollout under --runs with its status."""
-    rows = []
+    """Every rollout under --runs with its status (a ledger that cannot be read is named, and exits 2)."""
+    rows, unreadable = [], []
     for ledger_path in sorted(runs.glob("*/ledger.sqlite")):
-        ledger = Ledger(ledger_path)
+        try:
+            ledger = Ledger(ledger_path, create=False)
+        except BadInput as exc:
+            warn(exc.message)
+            unreadable.append(str(ledger_path))
+            continue
         for run_id in ledger.run_ids():
             run = ledger.run(run_id)
+            model = run["config"].get("model")
             rows.append({"run": run_id, "dir": str(ledger_path.parent), "status": run["status"],
-                         "model": run["config"].get("model"), "created": run["created"]})
+                         "model": model if isinstance(model, str) else None, "created": run["created"]})
         ledger.close()
     if json_out:
         emit_json(rows)
-        return
+    else:
+        _list_table(rows)
+    if unreadable:
+        raise BadInput(f"{len(unreadable)} ledger(s) under {runs} could not be read: {', '.join(unreadable)}")
+
+
+def _list_table(rows: list[dict]) -> None:
     table = Table()
     for col in ("run", "status", "model", "dir"):
         table.add_column(col)
@@ -283,8 +350,7 @@ def list_cmd(runs: Path = typer.Option(Path("runs"), "--runs", help="Directory o
     out.print(table)
 
 
-def _print_plan(config: RolloutConfig) -> None:
-    cluster = load_cluster(config.inventory)
+def _print_plan(config: RolloutConfig, cluster: Cluster) -> None:
     plan = {"stages": list(config.stages), "gates": asdict(config.thresholds)}
     if "warmup" in config.stages:
         plan["warmup"] = {**target_rung(cluster, config.model).as_dict(), "iterations": config.warmup_iterations,

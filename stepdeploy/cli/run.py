@@ -9,42 +9,38 @@ Exit codes: 0 ok, 1 the run failed / a node could not be stopped cleanly, 2 bad 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
+from stepdeploy import safeio
+from stepdeploy.cli.common import connecting_cluster, finite_option, insecure_option
 from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.errors import EXIT_FAILED, EXIT_UNREACHABLE, BadInput
-from stepdeploy.inventory import load_cluster
 from stepdeploy.remote.executor import UNREACHABLE, LogCursor, NodeResult, RunStatus
+from stepdeploy.render.manifest import inventory_of, read_manifest
 
 if TYPE_CHECKING:
     from stepdeploy.remote.fabric_executor import FabricExecutor
 
-app = typer.Typer(help="Launch, follow and stop a rendered run on its nodes (SSH).", no_args_is_help=True)
+app = typer.Typer(help="Launch, follow and stop a rendered run on its nodes (SSH).",
+                  epilog="Example: stepdeploy run launch runs/r1 --follow && stepdeploy run stop runs/r1",
+                  no_args_is_help=True)
 RUN = typer.Argument(..., help="Run directory written by `stepdeploy render`.")
 INVENTORY = typer.Option(None, "--inventory", "-i", help="Inventory (default: the one the run was rendered from).")
 JSON = typer.Option(False, "--json", help="Print JSON to stdout.")
+INSECURE = insecure_option()
 
 
-def read_manifest(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run_dir / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{run_dir}: no manifest.json; give a directory written by `stepdeploy render`",
-                       hint="stepdeploy render -i INVENTORY -m MODEL --out runs/r1") from None
-
-
-def executor_for(run_dir: Path, inventory: str | None) -> FabricExecutor:
+def executor_for(run_dir: Path, inventory: str | None, insecure: bool = False) -> FabricExecutor:
     """The run's executor as its manifest says: a Slurm job (sbatch.sh) or SSH to every node."""
     from stepdeploy.remote.fabric_executor import executor_for_run  # SSH stack: only when used
 
     manifest = read_manifest(run_dir)
-    cluster = load_cluster(inventory or manifest["inputs"]["inventory"]["path"])
+    cluster = connecting_cluster(inventory or inventory_of(manifest, run_dir / "manifest.json"), insecure)
     try:
         return executor_for_run(manifest, cluster, run_dir)
     except KeyError as exc:
@@ -63,9 +59,10 @@ def _report(results: list[NodeResult], verb: str) -> None:
 @app.command("launch", epilog="Example: stepdeploy run launch runs/r1 --follow")
 def launch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
            follow: bool = typer.Option(False, "--follow", "-f", help="Stream logs until the run ends."),
-           dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would be done; do nothing.")) -> None:
+           dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would be done; do nothing."),
+           insecure: bool = INSECURE) -> None:
     """Upload the run directory to every node (atomically) and start it detached."""
-    executor = executor_for(run_dir, inventory)
+    executor = executor_for(run_dir, inventory, insecure)
     if dry_run:
         for target in executor.targets:
             out.print(f"{target.name} ({target.endpoint.host}): upload {run_dir} to {executor.run_dir}, "
@@ -107,9 +104,10 @@ def _print_status(status: RunStatus) -> None:
 
 
 @app.command("status", epilog="Example: stepdeploy run status runs/r1 --json")
-def status_cmd(run_dir: Path = RUN, inventory: str | None = INVENTORY, as_json: bool = JSON) -> None:
+def status_cmd(run_dir: Path = RUN, inventory: str | None = INVENTORY, as_json: bool = JSON,
+               insecure: bool = INSECURE) -> None:
     """Per node: running / exited (code) / unreachable; per rank: state, last heartbeat iteration."""
-    with executor_for(run_dir, inventory) as executor:
+    with executor_for(run_dir, inventory, insecure) as executor:
         status = executor.poll()
     if as_json:
         emit_json({"nodes": [asdict(n) for n in status.nodes], "culprits": status.culprits()})
@@ -124,9 +122,10 @@ def status_cmd(run_dir: Path = RUN, inventory: str | None = INVENTORY, as_json: 
 @app.command("logs", epilog="Example: stepdeploy run logs runs/r1 --follow")
 def logs(run_dir: Path = RUN, inventory: str | None = INVENTORY,
          tail: int = typer.Option(50, "--tail", min=1, help="Lines per node."),
-         follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the run ends.")) -> None:
+         follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the run ends."),
+         insecure: bool = INSECURE) -> None:
     """Every node's log, each line prefixed with its node (the workload adds [rank R])."""
-    with executor_for(run_dir, inventory) as executor:
+    with executor_for(run_dir, inventory, insecure) as executor:
         if follow:
             _follow(executor)
             return
@@ -137,16 +136,20 @@ def logs(run_dir: Path = RUN, inventory: str | None = INVENTORY,
 
 @app.command("stop", epilog="Example: stepdeploy run stop runs/r1 --grace 10")
 def stop(run_dir: Path = RUN, inventory: str | None = INVENTORY,
-         grace: float = typer.Option(10.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL.")) -> None:
+         grace: float = finite_option(10.0, "--grace", min=0, max=86400, help="Seconds between SIGTERM and "
+                                      "SIGKILL."),
+         insecure: bool = INSECURE) -> None:
     """SIGTERM the run's processes on every node, SIGKILL after the grace, and prove none is left."""
-    with executor_for(run_dir, inventory) as executor:
+    with executor_for(run_dir, inventory, insecure) as executor:
         results = executor.stop(grace)
     _report([NodeResult(r.node, r.ok, r.detail) for r in results], "stopped; nothing of the run is left")
 
 
 @app.command("fetch", epilog="Example: stepdeploy run fetch runs/r1")
 def fetch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
-          dest: Path | None = typer.Option(None, "--dest", help="Default: RUN_DIR/fetched.")) -> None:
+          dest: Path | None = typer.Option(None, "--dest", help="Default: RUN_DIR/fetched."),
+          insecure: bool = INSECURE) -> None:
     """Copy metrics, status, heartbeats, logs and exit codes (not checkpoints) back from every node."""
-    with executor_for(run_dir, inventory) as executor:
+    safeio.check_output_dir(dest or run_dir / "fetched", "fetched files")
+    with executor_for(run_dir, inventory, insecure) as executor:
         _report(executor.fetch(dest or run_dir / "fetched"), "fetched")

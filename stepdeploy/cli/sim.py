@@ -17,6 +17,7 @@ from stepdeploy.sim.cluster import SimConfig, down, status, up
 
 app = typer.Typer(
     help="The embedded simulated cluster: Debian nodes in network namespaces with real sshd, apt and Python.",
+    epilog="Example: stepdeploy sim up --nodes 2 && stepdeploy sim status",
     no_args_is_help=True,
 )
 

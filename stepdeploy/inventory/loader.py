@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from stepdeploy import safeio
 from stepdeploy.errors import BadInput
-from stepdeploy.inventory.ansible_source import RawHost, read_inventory
+from stepdeploy.inventory.ansible_source import YAML_SUFFIXES, RawHost, read_inventory
 from stepdeploy.inventory.model import Cluster, Node, SlurmSettings
 from stepdeploy.inventory.nodes import CLUSTER_VARS, build_node, cluster_settings, wanted
 from stepdeploy.stack import get_profile
@@ -31,6 +32,7 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
 
 def _load(source: Path) -> Cluster:
     _check_file(source)
+    _check_vars_dirs(source)
     raw = read_inventory(source, wanted)
     if not raw.hosts:
         raise BadInput(f"{source}: the inventory lists no hosts; add at least one host, "
@@ -71,10 +73,19 @@ def _check_file(source: Path) -> None:
                        f"e.g. {EXAMPLE}")
     if source.is_dir():
         raise BadInput(f"{source}: is a directory; give one INI or YAML inventory file in it, e.g. {EXAMPLE}")
-    if not source.is_file():  # a FIFO or device would block or never end
-        raise BadInput(f"{source}: is not a regular file; give an INI or YAML inventory file, e.g. {EXAMPLE}")
-    if not os.access(source, os.R_OK):
-        raise BadInput(f"{source}: cannot be read (permission denied)")
+    # a regular file (a FIFO or device would block or never end) of bounded size, and readable
+    text = safeio.read_text(source, "inventory")
+    if source.suffix.lower() in YAML_SUFFIXES:
+        safeio.check_yaml(text, str(source))
+
+
+def _check_vars_dirs(source: Path) -> None:
+    """ansible reads group_vars/ and host_vars/ beside the inventory: refuse what would block it (a FIFO, a
+    device) or expand without bound (YAML aliases) before it looks."""
+    for parent in dict.fromkeys((source.parent, source.resolve().parent)):
+        for name in ("group_vars", "host_vars"):
+            if (parent / name).is_dir():
+                safeio.check_vars_tree(parent / name)
 
 
 def _check_unique_addresses(source: Path, nodes: list[Node]) -> None:

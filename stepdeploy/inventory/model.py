@@ -26,6 +26,11 @@ class SshSettings(BaseModel):
     private_key_file: Path | None = None
     known_hosts_file: Path | None = None
     connection: Connection = "ssh"
+    # The inventory variable that turns host-key checking off ('name=value (file:line)'), None when none does.
+    unverified_by: str | None = None
+    # Whether stepdeploy verifies the host key: always, unless the user accepted `unverified_by` (--insecure).
+    host_key_checking: bool = True
+    proxy_jump: str | None = None  # [user@]host[:port][,...] from -J / -o ProxyJump= in ansible's ssh args
 
 
 class Node(BaseModel):
@@ -67,6 +72,10 @@ class Cluster(BaseModel):
     warnings: list[str] = []  # ansible warnings that did not stop parsing (e.g. odd group names)
     executor: ExecutorKind | None = None  # inventory stepdeploy_executor; None: fabric (SSH)
     slurm: SlurmSettings = SlurmSettings()
+
+    def unverified(self) -> list[Node]:
+        """The nodes whose inventory variables turn SSH host-key checking off."""
+        return [node for node in self.nodes if node.ssh.unverified_by is not None]
 
     def node(self, name: str) -> Node:
         """The node called `name` (KeyError if there is none)."""

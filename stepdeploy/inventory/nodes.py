@@ -23,15 +23,20 @@ STEPDEPLOY_VARS = (
 # Cluster-wide settings: every host must agree (set them once in group_vars/all.yml or [all:vars]).
 CLUSTER_VARS = ("stepdeploy_executor", "stepdeploy_slurm_controller", "stepdeploy_slurm_partition",
                 "stepdeploy_slurm_tasks")
-_SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-# Ansible's connection variables we read, newest spelling first (ansible accepts the older aliases too).
-HOST_VARS = ("ansible_host", "ansible_ssh_host")
-PORT_VARS = ("ansible_port", "ansible_ssh_port")
-USER_VARS = ("ansible_user", "ansible_ssh_user")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# Ansible's connection variables we read. Where ansible knows two spellings it takes the one later in its own
+# list (ansible_ssh_host over ansible_host, ...): that one comes first here. Both set to different values is
+# refused rather than guessed.
+HOST_VARS = ("ansible_ssh_host", "ansible_host")
+PORT_VARS = ("ansible_ssh_port", "ansible_port")
+USER_VARS = ("ansible_ssh_user", "ansible_user")
 KEY_VARS = ("ansible_ssh_private_key_file", "ansible_private_key_file")
-SSH_ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args")
+SSH_ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_ssh_args")
+# Variables with which an inventory turns host-key checking off (ssh and paramiko connections).
+HOST_KEY_CHECKING_VARS = ("ansible_host_key_checking", "ansible_ssh_host_key_checking",
+                          "ansible_paramiko_host_key_checking")
 ANSIBLE_VARS = frozenset(
-    (*HOST_VARS, *PORT_VARS, *USER_VARS, *KEY_VARS, *SSH_ARGS_VARS, "ansible_connection")
+    (*HOST_VARS, *PORT_VARS, *USER_VARS, *KEY_VARS, *SSH_ARGS_VARS, *HOST_KEY_CHECKING_VARS, "ansible_connection")
 )
 
 
@@ -57,14 +62,23 @@ class HostVars:
     def error(self, key: str, message: str) -> BadInput:
         return BadInput(f"{self.where(key)}: host {self.name!r}: {key} {message}")
 
-    def first(self, keys: tuple[str, ...]) -> str | None:
-        return next((k for k in keys if self.raw.variables.get(k) is not None), None)
+    def set_keys(self, keys: tuple[str, ...]) -> list[str]:
+        return [k for k in keys if self.raw.variables.get(k) is not None]
 
     def read(self, keys: tuple[str, ...] | str, reader: Callable[[Any], Any]) -> Any:
-        """The first of `keys` that is set, converted by `reader`; None when none is set."""
-        key = self.first((keys,) if isinstance(keys, str) else keys)
-        if key is None:
-            return None
+        """The value of `keys` (one variable, or the spellings of one setting, the one ansible prefers first)
+        converted by `reader`; None when none is set. Two spellings with different values are refused: ansible
+        and stepdeploy must never connect to different places."""
+        found = self.set_keys((keys,) if isinstance(keys, str) else keys)
+        values = [self._convert(key, reader) for key in found]
+        for key, value in zip(found[1:], values[1:], strict=True):
+            if value != values[0]:
+                raise self.error(found[0], f"= {v.show(self.raw.variables[found[0]])} and {key} = "
+                                 f"{v.show(self.raw.variables[key])} ({self.where(key)}) disagree; ansible uses "
+                                 f"{found[0]}: set only one of them")
+        return values[0] if values else None
+
+    def _convert(self, key: str, reader: Callable[[Any], Any]) -> Any:
         value = self.raw.variables[key]
         try:
             v.reject_template(value)
@@ -76,6 +90,10 @@ class HostVars:
 def build_node(raw: RawHost, source: Path) -> tuple[Node, str | None]:
     """The Node for `raw` and the stack profile name it declares (None if it declares none)."""
     host = HostVars(raw, source)
+    try:
+        v.read_host_name(raw.name)
+    except v.ValueProblem as exc:
+        raise BadInput(f"{host.where()}: host {raw.name!r} {exc.problem}; {exc.valid}") from None
     _check_unknown_vars(host)
     ssh = _ssh_settings(host)
     node = Node(
@@ -107,7 +125,7 @@ def cluster_settings(raw: RawHost, source: Path) -> dict[str, tuple[Any, str]]:
 
 
 def _read_slurm_name(value: Any) -> str:
-    if not isinstance(value, str) or not _SLURM_NAME.match(value.strip()):
+    if not isinstance(value, str) or not _SLURM_NAME.fullmatch(value.strip()):
         raise v.ValueProblem("is not a Slurm partition name", "use letters, digits, '_', '-', '.' (at most 64)")
     return value.strip()
 
@@ -127,7 +145,30 @@ def _ssh_settings(host: HostVars) -> SshSettings:
         private_key_file=_expand(host.read(KEY_VARS, v.read_path)),
         known_hosts_file=_expand(_known_hosts(host)),
         connection=connection,
+        unverified_by=_unverified_by(host),
+        proxy_jump=_first_of_ssh_args(host, v.proxy_jump_from_ssh_args),
     )
+
+
+def _unverified_by(host: HostVars) -> str | None:
+    """Which variable turns host-key checking off for this host ('name=value (file:line)'), if any."""
+    for key in HOST_KEY_CHECKING_VARS:
+        if host.read(key, v.read_bool) is False:
+            return f"{key}={host.raw.variables[key]} ({host.where(key)})"
+    for key in SSH_ARGS_VARS:
+        if host.read(key, v.host_key_checking_from_ssh_args) is False:
+            return f"{key}={host.raw.variables[key]!r} ({host.where(key)})"
+    return None
+
+
+def _first_of_ssh_args(host: HostVars, reader: Callable[[Any], Any]) -> Any:
+    """What the first of ansible's ssh-args variables that says anything says (ssh takes an option's first
+    occurrence; ansible passes the common args before the extra args)."""
+    for key in SSH_ARGS_VARS:
+        found = host.read(key, reader)
+        if found:
+            return found
+    return None
 
 
 def _known_hosts(host: HostVars) -> str | None:
@@ -135,11 +176,7 @@ def _known_hosts(host: HostVars) -> str | None:
     declared = host.read("stepdeploy_ssh_known_hosts", v.read_path)
     if declared is not None:
         return declared
-    for key in SSH_ARGS_VARS:
-        found = host.read(key, v.known_hosts_from_ssh_args)
-        if found:
-            return found
-    return None
+    return _first_of_ssh_args(host, v.known_hosts_from_ssh_args)
 
 
 def _address(host: HostVars, connection: str) -> str:

@@ -10,9 +10,18 @@ from typing import Any
 
 MAX_GPUS_PER_NODE = 64
 _LABEL = r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)"
-_HOSTNAME = re.compile(rf"^{_LABEL}(\.{_LABEL})*\.?$")
-_NETDEV = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")  # Linux IFNAMSIZ is 16 with the NUL
-_HCA = re.compile(r"^[A-Za-z0-9_.-]{1,64}(:\d{1,3})?$")  # NCCL_IB_HCA entries: device[:port]
+# Whole values are matched with fullmatch: `$` alone would let a trailing newline through.
+_HOSTNAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
+_NETDEV = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")  # Linux IFNAMSIZ is 16 with the NUL
+_HCA = re.compile(r"[A-Za-z0-9_.-]{1,64}(:\d{1,3})?")  # NCCL_IB_HCA entries: device[:port]
+# An inventory host's name reaches node directories, logs, SSH commands and the terminal: plain characters only.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9_.:-]{0,252}")
+_JUMP_HOP = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^@:\s\[\]]+)(?::(?P<port>\d{1,5}))?")
+# ansible's boolean words (ansible.module_utils.parsing.convert_bool)
+_FALSE = frozenset(("no", "false", "off", "0", "n", "f", "0.0"))
+_TRUE = frozenset(("yes", "true", "on", "1", "y", "t", "1.0"))
+# OpenSSH StrictHostKeyChecking values that let an unknown or changed key through
+_UNCHECKED = frozenset(("no", "off", "accept-new"))
 _FABRICS = {"infiniband": "infiniband", "ib": "infiniband", "roce": "roce", "ethernet": "ethernet"}
 _ARCHES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
 _CONNECTIONS = {
@@ -110,7 +119,7 @@ def read_text(value: Any, what: str, limit: int = 128) -> str:
 
 def read_netdev(value: Any) -> str:
     valid = "use a Linux network interface name (1-15 letters, digits, '_', '-', '.'), e.g. eth0"
-    if not isinstance(value, str) or not _NETDEV.match(value.strip()) or value.strip() in (".", ".."):
+    if not isinstance(value, str) or not _NETDEV.fullmatch(value.strip()) or value.strip() in (".", ".."):
         raise ValueProblem("is not a network interface name", valid)
     return value.strip()
 
@@ -123,7 +132,7 @@ def read_hcas(value: Any) -> list[str]:
         items = value
     else:
         raise ValueProblem("is not a list of device names", valid)
-    if not all(isinstance(item, str) and _HCA.match(item) for item in items):
+    if not all(isinstance(item, str) and _HCA.fullmatch(item) for item in items):
         raise ValueProblem("is not a list of device names", valid)
     if len(set(items)) != len(items):
         raise ValueProblem("lists a device twice", valid)
@@ -157,7 +166,7 @@ def is_ip(text: str) -> bool:
 
 def is_hostname(text: str) -> bool:
     """A syntactically valid DNS name whose last label is not all digits (so '10.0.0.300' is not one)."""
-    if len(text) > 253 or not _HOSTNAME.match(text):
+    if len(text) > 253 or not _HOSTNAME.fullmatch(text):
         return False
     return not text.rstrip(".").rsplit(".", 1)[-1].isdigit()
 
@@ -166,8 +175,30 @@ def is_dotted_hostname(text: str) -> bool:
     return is_hostname(text) and "." in text.rstrip(".")
 
 
-def known_hosts_from_ssh_args(value: Any) -> str | None:
-    """The UserKnownHostsFile an `-o UserKnownHostsFile=...` option in ansible's ssh args names, if any."""
+def read_host_name(name: str) -> str:
+    """An inventory host's name: letters, digits, '.', '_', '-' and ':' (IPv6), at most 253 characters."""
+    if not _HOST_NAME.fullmatch(name):
+        raise ValueProblem("is not a host name stepdeploy accepts",
+                           "name hosts with letters, digits, '.', '_', '-' and ':' (at most 253 characters, "
+                           "not starting with '.' or '-'), and put anything else in a variable")
+    return name
+
+
+def read_bool(value: Any) -> bool:
+    """A boolean as ansible reads one (true/false, yes/no, on/off, 1/0, ...)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower() if isinstance(value, str | int | float) else None
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueProblem("is not a boolean", "use true or false")
+
+
+def ssh_options(value: Any) -> list[tuple[str, str]]:
+    """The (option, value) pairs of ssh command-line arguments: `-o Key=Value`, `-oKey=Value`, `-o 'Key Value'`
+    (option lower-cased) and `-J hops` as ('proxyjump', hops)."""
     if not isinstance(value, str):
         raise ValueProblem("is not text", "use ssh command-line options, e.g. '-o StrictHostKeyChecking=yes'")
     try:
@@ -175,11 +206,60 @@ def known_hosts_from_ssh_args(value: Any) -> str | None:
     except ValueError as exc:
         raise ValueProblem(f"cannot be split into ssh arguments ({exc})",
                            "balance the quotes in the ssh options") from None
-    options = [w[2:] if w.startswith("-o") and len(w) > 2 else w for w in words if w != "-o"]
-    for option in options:
-        key, sep, path = option.partition("=")
+    found: list[tuple[str, str]] = []
+    for index, word in enumerate(words):
+        following = words[index + 1] if index + 1 < len(words) else ""
+        if word in ("-o", "-J"):
+            option = following if word == "-o" else f"ProxyJump={following}"
+        elif word.startswith(("-o", "-J")) and len(word) > 2:
+            option = word[2:] if word.startswith("-o") else f"ProxyJump={word[2:]}"
+        else:
+            continue
+        key, sep, setting = option.partition("=")
         if not sep:
-            key, _, path = option.partition(" ")
-        if key.strip().lower() == "userknownhostsfile" and path.strip():
-            return path.strip().split()[0]
+            key, _, setting = option.strip().partition(" ")
+        found.append((key.strip().lower(), setting.strip()))
+    return found
+
+
+def known_hosts_from_ssh_args(value: Any) -> str | None:
+    """The UserKnownHostsFile an `-o UserKnownHostsFile=...` option in ansible's ssh args names, if any."""
+    for key, setting in ssh_options(value):
+        if key == "userknownhostsfile" and setting:
+            return setting.split()[0]
     return None
+
+
+def host_key_checking_from_ssh_args(value: Any) -> bool | None:
+    """False when the ssh args let unknown host keys through (StrictHostKeyChecking=no/off/accept-new), True
+    when they ask for checking, None when they do not say. ssh takes the first occurrence of an option."""
+    for key, setting in ssh_options(value):
+        if key == "stricthostkeychecking":
+            return setting.lower() not in _UNCHECKED
+    return None
+
+
+def proxy_jump_from_ssh_args(value: Any) -> str | None:
+    """The ProxyJump (`-J` or `-o ProxyJump=`) the ssh args name, validated; None when none (or 'none')."""
+    for key, setting in ssh_options(value):
+        if key == "proxyjump":
+            return read_proxy_jump(setting)
+    return None
+
+
+def read_proxy_jump(value: Any) -> str | None:
+    """`[user@]host[:port][,...]`, as OpenSSH's ProxyJump and Fabric's gateway take it; 'none' is None."""
+    valid = "use [user@]host[:port], several separated by commas, e.g. admin@bastion.example.org:2222"
+    if not isinstance(value, str) or not value.strip():
+        raise ValueProblem("is not a ProxyJump", valid)
+    text = value.strip()
+    if text.lower() == "none":
+        return None
+    for hop in text.split(","):
+        match = _JUMP_HOP.fullmatch(hop)
+        host = match.group("host").strip("[]") if match else ""
+        port = int(match.group("port") or 22) if match else 0
+        user_ok = match is not None and (match.group("user") is None or match.group("user").isprintable())
+        if not (match and user_ok and (is_ip(host) or is_hostname(host)) and 1 <= port <= 65535):
+            raise ValueProblem(f"names a jump host {hop!r} stepdeploy cannot read", valid)
+    return text

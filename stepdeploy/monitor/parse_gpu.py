@@ -26,8 +26,8 @@ _ATTR = {
 _IGNORED = ("name", "memory.total", "persistence_mode", "pcie.link.gen.current")
 # A value that does not look like its field means the columns are not the fields asked for (a stand-in that
 # prints another recording): refuse it rather than read a power draw as an ECC count.
-_TEXT = {"uuid": re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]+$"),
-         "bus_id": re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")}
+_TEXT = {"uuid": re.compile(r"(GPU|MIG)-[0-9a-fA-F-]+"),  # fullmatch
+         "bus_id": re.compile(r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")}
 _COUNT = {"index", "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate"}
 _FLAG = {"remap_pending", "remap_failure"}
 _MISSING = {"", "n/a", "[n/a]", "[not supported]", "not supported", "[unknown error]", "unknown error"}
@@ -42,7 +42,7 @@ def _value(attr: str, raw: str) -> object:
     if text.lower() in _MISSING:
         return None
     if attr in _TEXT:
-        if not _TEXT[attr].match(text):
+        if not _TEXT[attr].fullmatch(text):
             raise ValueError(f"{attr}: unexpected value {raw.strip()!r}")
         return text
     if attr in _FLAG:

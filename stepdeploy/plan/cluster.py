@@ -8,6 +8,10 @@ from typing import Any
 
 from stepdeploy.catalog import GpuSpec, LinkSpec, gpu, link, load_hardware
 from stepdeploy.errors import BadInput
+from stepdeploy.inventory.values import MAX_GPUS_PER_NODE
+
+# Far beyond any cluster built so far; the search does not loop per node or GPU, this only bounds the input.
+MAX_NODES = 100_000
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,9 @@ class ClusterShape:
 def cluster_shape(nodes: int, gpus_per_node: int, gpu_name: str, link_name: str) -> ClusterShape:
     if nodes < 1 or gpus_per_node < 1:
         raise BadInput(f"need at least one node and one GPU per node (got {nodes} x {gpus_per_node})")
+    if nodes > MAX_NODES or gpus_per_node > MAX_GPUS_PER_NODE:
+        raise BadInput(f"{nodes} node(s) x {gpus_per_node} GPUs is beyond what the planner takes (at most "
+                       f"{MAX_NODES:,} nodes of at most {MAX_GPUS_PER_NODE} GPUs)")
     return ClusterShape(nodes, gpus_per_node, gpu(gpu_name), link(link_name))
 
 
@@ -64,7 +71,10 @@ def shape_from_cluster(cluster: Any) -> ClusterShape:
             "the inventory does not say which GPU the nodes have",
             hint="set gpu_model in group_vars, or pass --gpu H100|H200|B200|GB10",
         )
-    per_node = _one_value([int(node.gpus_per_node) for node in nodes], "GPUs per node")
+    per_node = _one_value([node.gpus_per_node for node in nodes], "GPUs per node")
+    if not per_node:
+        raise BadInput(f"the inventory names the GPU ({gpu_model}) but not how many each node has",
+                       hint="set stepdeploy_gpus_per_node in group_vars, or pass --gpus-per-node")
     fabric = _one_value([node.fabric for node in nodes], "fabric")
     fabric_links = load_hardware().fabric_links
     if fabric not in fabric_links:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
@@ -147,6 +148,8 @@ def parse_layout(text: str, base: Layout | None = None) -> Layout:
         if not sep or name not in known:
             valid = ", ".join([*known, *_ALIASES])
             raise BadInput(f"--layout: cannot read {item!r}; use key=value with keys: {valid}")
+        if name in values:
+            raise BadInput(f"--layout: {name} is given twice; give each key once")
         values[name] = _convert(name, raw.strip(), str(known[name].type))
     return replace(base or Layout(), **values)  # type: ignore[arg-type]
 
@@ -157,8 +160,9 @@ def _convert(name: str, raw: str, type_name: str) -> object:
             raise BadInput(f"--layout: {name} takes on/off, got {raw!r}")
         return _BOOL_WORDS[raw.lower()]
     if "int" in type_name:
-        if not raw.isdigit() or int(raw) < 1:
-            raise BadInput(f"--layout: {name} takes a positive integer, got {raw!r}")
+        # ASCII digits only: str.isdigit() also takes '²' and other digits int() refuses
+        if not re.fullmatch(r"[0-9]{1,6}", raw) or int(raw) < 1:
+            raise BadInput(f"--layout: {name} takes a positive integer (at most 6 digits), got {raw!r}")
         return int(raw)
     choices = {"recompute": ("none", "selective", "full"), "dispatcher": ("alltoall", "flex", "allgather")}
     if raw not in choices.get(name, ()):

@@ -91,16 +91,18 @@ def judge(
     return Verdict(layout, (), memory, predict_step_time(params, job, layout, cluster, hardware))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, upto: int) -> list[int]:
+    """The divisors of `n` no larger than `upto`: the loop is bounded by the model (layers, experts), never by
+    the GPU count (a cluster of a billion GPUs must not take a billion steps)."""
+    return [d for d in range(1, min(n, upto) + 1) if n % d == 0]
 
 
 def structures(spec: ModelSpec, world: int) -> Iterator[Layout]:
     """Every (TP, PP, VPP, CP, EP, ETP) the search tries; knobs are chosen per structure later."""
     moe = spec.moe is not None
-    eps = [d for d in _divisors(world) if not moe or spec.moe.num_experts % d == 0] if moe else [1]
+    eps = [d for d in _divisors(world, spec.moe.num_experts) if spec.moe.num_experts % d == 0] if moe else [1]
     etps = [p for p in POWERS if p <= world] if moe else [1]
-    pps = [d for d in _divisors(world) if d <= spec.num_layers]
+    pps = _divisors(world, spec.num_layers)
     tps = [p for p in POWERS if p <= world]
     for tp, pp, vpp, cp, ep, etp in product(tps, pps, (1, 2, 3, 4, 5), tps, eps, etps):
         if vpp > 1 and pp == 1:

@@ -1,4 +1,10 @@
-"""Launch the all_reduce sweep (stepdeploy/workload/nccl_bench.py) with torchrun on every node at once."""
+"""Launch the all_reduce sweep (stepdeploy/workload/nccl_bench.py) with torchrun on every node at once.
+
+It runs as root: nothing it imports or writes may sit in a directory another user can write under a name
+they can guess. Each node (this machine too, with --local) gets a fresh private directory (mktemp -d, 0700)
+holding the script, torchrun starts in it with `python -I` (no working directory, PYTHONPATH or user
+site-packages on sys.path: a planted /tmp/torch/ is never imported), and the directory is removed after.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import stepdeploy.workload
 from stepdeploy.preflight.collect import Target, in_parallel
 
 SCRIPT = Path(stepdeploy.workload.__file__).parent / "nccl_bench.py"
-REMOTE_SCRIPT = "/tmp/stepdeploy-nccl_bench.py"
+SCRIPT_NAME = "nccl_bench.py"
 # The gate measures plain ring/tree all_reduce; NVLink multicast (NVLS) needs the fabric manager and IMEX
 # and, on shared hosts, can take GPUs out of service: keep it off unless the caller's environment sets it.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
@@ -33,7 +39,8 @@ class Sweep:
     timeout_s: int = 180
 
 
-def command(sweep: Sweep, python: str, node_rank: int, script: str, inherit: dict[str, str] | None = None) -> str:
+def command(sweep: Sweep, python: str, node_rank: int, workdir: str, inherit: dict[str, str] | None = None) -> str:
+    """torchrun of the sweep, started in `workdir` (the private directory that holds the script)."""
     env = {**SAFE_ENV, **(inherit or {})}
     if sweep.iface:
         env |= {"NCCL_SOCKET_IFNAME": sweep.iface, "GLOO_SOCKET_IFNAME": sweep.iface}
@@ -46,9 +53,11 @@ def command(sweep: Sweep, python: str, node_rank: int, script: str, inherit: dic
            f"--timeout-s {max(30, sweep.timeout_s // 2)}"
     if sweep.sizes:
         args += f" --sizes {shlex.quote(sweep.sizes)}"
+    env["TMPDIR"] = workdir  # torchrun's own temporary files go with the private directory
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    return (f"cd /tmp && env {exports} timeout -k 5 {sweep.timeout_s} {shlex.quote(python)} -m torch.distributed.run "
-            f"{rdzv} --nproc-per-node={sweep.nproc_per_node} {script} {args}")
+    script = shlex.quote(f"{workdir}/{SCRIPT_NAME}")
+    return (f"cd -- {shlex.quote(workdir)} && env {exports} timeout -k 5 {sweep.timeout_s} {shlex.quote(python)} -I "
+            f"-m torch.distributed.run {rdzv} --nproc-per-node={sweep.nproc_per_node} {script} {args}")
 
 
 def parse(stdout: str) -> tuple[list[dict], dict | None]:
@@ -67,16 +76,27 @@ def parse(stdout: str) -> tuple[list[dict], dict | None]:
     return rows, summary
 
 
-def run(targets: Sequence[Target], pythons: dict[str, str], sweep: Sweep, *, local: bool = False,
+def private_dir(target: Target) -> str:
+    """A new directory only root can enter (mktemp -d: unpredictable name, mode 0700) on the target."""
+    made = target.run("umask 077 && mktemp -d /tmp/stepdeploy-nccl.XXXXXXXXXX", 15)
+    path = made.stdout.strip()
+    if made.rc != 0 or not path.startswith("/tmp/stepdeploy-nccl.") or "\n" in path:
+        raise RuntimeError(f"mktemp -d failed: {(made.stderr or made.stdout).strip()[-200:]}")
+    return path
+
+
+def run(targets: Sequence[Target], pythons: dict[str, str], sweep: Sweep, *,
         inherit: dict[str, str] | None = None) -> tuple[list[dict], dict | None, str | None]:
     """(rows, summary, error). targets[0] is rank 0 (its training address is sweep.master_addr)."""
-    script = str(SCRIPT) if local else REMOTE_SCRIPT
     ranks = {t.name: i for i, t in enumerate(targets)}
 
     def one(t):
-        if not local:
-            t.put(SCRIPT, REMOTE_SCRIPT)
-        return t.run(command(sweep, pythons[t.name], ranks[t.name], script, inherit), sweep.timeout_s + 15)
+        workdir = private_dir(t)
+        try:
+            t.put(SCRIPT, f"{workdir}/{SCRIPT_NAME}")
+            return t.run(command(sweep, pythons[t.name], ranks[t.name], workdir, inherit), sweep.timeout_s + 15)
+        finally:
+            t.run(f"rm -rf -- {shlex.quote(workdir)}", 15)
 
     answers = in_parallel(targets, one, sweep.timeout_s + 30)
     errors = []

@@ -8,7 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -93,10 +93,9 @@ class SshTarget:
 def target_for(node: Node, *, local: bool, connect_timeout_s: int = 10) -> Target:
     if local or node.ssh.connection == "local":
         return LocalTarget(node.name)
-    from stepdeploy.remote.ssh import Endpoint
+    from stepdeploy.remote.ssh import endpoint_for
 
-    ep = Endpoint(host=node.address, user=node.ssh.user or "root", port=node.ssh.port,
-                  key_file=node.ssh.private_key_file, known_hosts=node.ssh.known_hosts_file)
+    ep = replace(endpoint_for(node), user=node.ssh.user or "root")
     return SshTarget(node.name, ep, connect_timeout_s)
 
 
@@ -156,12 +155,15 @@ def probe_all(targets: Sequence[Target], specs: dict[str, probe.ProbeSpec], time
 
 
 def reach_command(peers: Sequence[tuple[str, str, int]], timeout_s: int = 3) -> str:
-    """Connect from this node to every (name, address, port) at once; one line per peer."""
+    """Connect from this node to every (name, address, port) at once; one line per peer. Every value is a
+    quoted word (names and addresses come from the inventory and the nodes' own answers)."""
+    q = shlex.quote
+    connect = q('exec 3<>"/dev/tcp/$0/$1"')
     parts = []
     for name, address, port in peers:
-        test = f"exec 3<>/dev/tcp/{address}/{port}"
-        parts.append(f"( if timeout {timeout_s} bash -c {shlex.quote(test)} 2>/dev/null; "
-                     f"then echo 'reach {name} {address} ok'; else echo 'reach {name} {address} fail'; fi ) &")
+        ok, failed = (q(f"reach {name} {address} {word}") for word in ("ok", "fail"))
+        parts.append(f"( if timeout {int(timeout_s)} bash -c {connect} {q(address)} {q(str(port))} 2>/dev/null; "
+                     f"then echo {ok}; else echo {failed}; fi ) &")
     return " ".join(parts) + " wait"
 
 

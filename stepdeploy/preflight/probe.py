@@ -91,7 +91,7 @@ def commands(spec: ProbeSpec) -> dict[str, str]:
         "nvidia_topo": "nvidia-smi topo -m",
         "nccl_pkg": "dpkg-query -W -f='${Package} ${Version}\\n' 'libnccl2*' 2>/dev/null || true",
         "python": (f"for p in {pick_python}; do if command -v \"$p\" >/dev/null 2>&1; then "
-                   f"exec \"$p\" -c {shlex.quote(PYTHON_ENV)}; fi; done; echo 'no python found'; exit 127"),
+                   f"exec \"$p\" -I -c {shlex.quote(PYTHON_ENV)}; fi; done; echo 'no python found'; exit 127"),
         "modules": "cat /proc/modules",
         "memlock": "ulimit -l",
         "shm": "df -P -k /dev/shm",

@@ -197,8 +197,7 @@ def _bandwidth(alive: list[NodeOutput], by_name: dict[str, Node], opts: Options,
     inherit = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "NVSHMEM_", "TORCH_SYMM"))} \
         if opts.local else None
     rows, _summary, error = bandwidth.run(live_targets, {o.node: envs[o.node]["executable"] for o in alive}, sweep,
-                                         local=opts.local or all(isinstance(t, collect.LocalTarget)
-                                                                 for t in live_targets), inherit=inherit)
+                                         inherit=inherit)
     report.bandwidth = rows
     gate = cluster.bandwidth_gate(hardware, model, len(alive), by_name[first.node].fabric)
     return cluster.check_bandwidth(rows, gate, error)

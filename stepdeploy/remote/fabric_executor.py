@@ -119,7 +119,12 @@ class FabricExecutor:
     def _upload(self, target: Target, payload: bytes, digest: str) -> NodeResult:
         run_dir, parent = self.run_dir, str(Path(self.run_dir).parent)
         staging, tarball = f"{run_dir}.staging-{digest}", f"{run_dir}.upload-{digest}.tar.gz"
-        self._sh(target, f"mkdir -p -- {q(parent)}")
+        # The names below are predictable: only a parent no other user can write keeps them ours (a shared
+        # /tmp would let anyone plant a link the upload follows, or files torchrun imports as root).
+        made = self._sh(target, f"mkdir -p -- {q(parent)} && test -z \"$(find {q(parent)} -maxdepth 0 -perm -0002)\"")
+        if not made.ok:
+            return NodeResult(target.name, False, f"{parent} is missing or writable by every user; render with a "
+                                                  "--remote-dir only root can write (default /var/lib/stepdeploy/runs)")
         self._conn(target).put(io.BytesIO(payload), tarball)
         run, stage = q(run_dir), q(staging)
         script = (
@@ -161,7 +166,8 @@ class FabricExecutor:
 
     def _probe(self, target: Target, mode: str, *extra: str, timeout: float = 60) -> dict[str, Any]:
         args = " ".join(q(a) for a in (mode, self.run_dir, self.run_id, target.node_dir, *extra))
-        res = self._sh(target, f"python3 -c {q(PROBE)} {args}", timeout=timeout)
+        # -I: nothing from the working directory, PYTHONPATH or user site-packages is imported as root
+        res = self._sh(target, f"python3 -I -c {q(PROBE)} {args}", timeout=timeout)
         if not res.ok:
             raise RuntimeError(f"probe failed: {res.stderr.strip()[-300:]}")
         return json.loads(res.stdout)
@@ -215,15 +221,20 @@ class FabricExecutor:
         """metrics, status, heartbeats, logs and exit codes (not checkpoints) into dest/<node dir>/."""
 
         def one(target: Target) -> NodeResult:
-            remote = f"/tmp/stepdeploy-fetch-{self.run_id}-{target.node_dir.rsplit('/', 1)[-1]}.tar.gz"
-            res = self._sh(target, f"cd -- {q(self.run_dir)} && tar -czf {q(remote)} --ignore-failed-read "
-                                   "out/metrics.jsonl out/phases.jsonl out/status out/heartbeat logs "
-                                   f"{q(target.node_dir)} 2>/dev/null; test -s {q(remote)}")
-            if not res.ok:
+            # the archive goes into a fresh private directory (mktemp -d, 0700), never a guessable /tmp name
+            archive = '"$d/fetch.tar.gz"'
+            res = self._sh(target, f"cd -- {q(self.run_dir)} && d=$(umask 077 && mktemp -d) && "
+                                   f"tar -czf {archive} --ignore-failed-read out/metrics.jsonl out/phases.jsonl "
+                                   f"out/status out/heartbeat logs {q(target.node_dir)} 2>/dev/null; "
+                                   f"if test -s {archive}; then echo \"$d\"; else rm -rf -- \"$d\"; exit 1; fi")
+            workdir = res.stdout.strip()
+            if not res.ok or not workdir.startswith("/"):
                 return NodeResult(target.name, False, "nothing to fetch")
             buffer = io.BytesIO()
-            self._conn(target).get(remote, buffer)
-            self._sh(target, f"rm -f -- {q(remote)}")
+            try:
+                self._conn(target).get(f"{workdir}/fetch.tar.gz", buffer)
+            finally:
+                self._sh(target, f"rm -rf -- {q(workdir)}")
             where = dest / target.node_dir
             where.mkdir(parents=True, exist_ok=True)
             buffer.seek(0)

@@ -1,4 +1,4 @@
-"""Run ON a node by the Fabric executor as `python3 -c SOURCE MODE RUN_DIR RUN_ID NODE_DIR [GRACE]`
+"""Run ON a node by the Fabric executor as `python3 -I -c SOURCE MODE RUN_DIR RUN_ID NODE_DIR [GRACE]`
 (standard library only). Prints one JSON document.
 
 poll: the launch script's state (running / exited with code / not started) and every rank's status file,

@@ -213,7 +213,7 @@ def controller_endpoint(cluster: Any) -> Endpoint:
             return endpoint_for(node)
     first = endpoint_for(cluster.nodes[0])
     return Endpoint(host=name, user=first.user, port=first.port, key_file=first.key_file,
-                    known_hosts=first.known_hosts)
+                    known_hosts=first.known_hosts, proxy_jump=first.proxy_jump)
 
 
 def slurm_executor_for_manifest(manifest: dict[str, Any], cluster: Any, local_run: Path | None = None,

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stepdeploy import __version__, corpus
+from stepdeploy import __version__, corpus, safeio
 from stepdeploy.catalog import ModelSpec, load_hardware, load_model
 from stepdeploy.corpus import ShippedDataset
 from stepdeploy.errors import BadInput, StepdeployError
@@ -83,11 +83,24 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_run(rendered: RenderedRun, out_dir: Path) -> None:
-    """Write every file, all or nothing: into a temporary sibling, then renamed to `out_dir`."""
-    if out_dir.exists() and any(out_dir.iterdir()):
+def check_out_dir(out_dir: Path) -> None:
+    """`out_dir` can become a new run directory: it does not exist (or is an empty directory) and its parent
+    is, or can be made, a writable directory. BadInput before anything is rendered or written."""
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise BadInput(f"{out_dir} exists and is not a directory; give a new --out")
+    try:
+        occupied = out_dir.is_dir() and any(out_dir.iterdir())
+    except OSError as exc:
+        raise BadInput(f"{out_dir}: cannot read it ({exc.strerror or exc}); give a new --out") from None
+    if occupied:
         raise BadInput(f"{out_dir} exists and is not empty; give a new --out (a run directory is never "
                        "rewritten in place)")
+    safeio.check_output_dir(out_dir.parent, "run directory")
+
+
+def write_run(rendered: RenderedRun, out_dir: Path) -> None:
+    """Write every file, all or nothing: into a temporary sibling, then renamed to `out_dir`."""
+    check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

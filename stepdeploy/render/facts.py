@@ -9,12 +9,12 @@ a file that is not valid facts is bad input naming the file; a node without a fi
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from stepdeploy import safeio
 from stepdeploy.errors import BadInput
 from stepdeploy.render.environment import NodeFacts
 
@@ -48,10 +48,7 @@ def facts_file(facts_dir: Path, node_name: str) -> Path | None:
 def parse_facts(data: bytes, source: str) -> NodeFacts:
     """One facts file's content -> NodeFacts; BadInput naming `source` when it is not valid facts."""
     hint = "provision the node again (stepdeploy provision INVENTORY --tags infiniband) or delete the file"
-    try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadInput(f"{source}: not a JSON facts file ({exc})", hint=hint) from None
+    raw = safeio.loads_json(data, source, what="facts file", hint=hint)
     if not isinstance(raw, dict):
         raise BadInput(f"{source}: not a facts file (a JSON object was expected)", hint=hint)
     try:
@@ -71,8 +68,8 @@ def load_facts(facts_dir: Path, node_names: Iterable[str]) -> dict[str, NodeFact
     facts: dict[str, NodeFacts] = {}
     for name in node_names:
         path = facts_file(facts_dir, name)
-        if path is not None and path.is_file():
-            facts[name] = parse_facts(path.read_bytes(), str(path))
+        if path is not None and (path.exists() or path.is_symlink()):  # there, it must be a regular file
+            facts[name] = parse_facts(safeio.read_bytes(path, "facts file"), str(path))
     return facts
 
 

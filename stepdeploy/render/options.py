@@ -6,6 +6,7 @@ what it really does, which the renderer prints next to the rendered value (or in
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -13,8 +14,9 @@ from stepdeploy.errors import BadInput
 
 NODE_PYTHON = "/opt/stepdeploy/venv/bin/python"
 REMOTE_RUNS = "/var/lib/stepdeploy/runs"
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Matched with fullmatch: `$` alone would let a trailing newline through (and split an #SBATCH line).
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 # name -> (what it renders, what it really does)
 SEED_OPTIONS: dict[str, tuple[str, str]] = {
@@ -74,15 +76,17 @@ class RenderOptions:
     decay_iterations: int | None = None  # the cosine decay's end (None: the iterations)
 
     def __post_init__(self) -> None:
-        if not RUN_ID.match(self.run_id):
+        if not RUN_ID.fullmatch(self.run_id):
             raise BadInput(f"run id {self.run_id!r} must be 1-64 letters, digits, '.', '_' or '-', "
                            "starting with a letter or digit")
         if self.stage not in STAGE_ITERATIONS:
             raise BadInput(f"unknown stage {self.stage!r}; use one of {', '.join(STAGE_ITERATIONS)}")
         if self.engine not in (None, "torch", "megatron"):
             raise BadInput(f"unknown engine {self.engine!r}; use torch or megatron")
-        if self.lr is not None and not self.lr > 0:
-            raise BadInput(f"learning rate {self.lr} must be positive")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise BadInput(f"learning rate {self.lr} must be a positive finite number")
+        if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
+            raise BadInput(f"peak TFLOP/s {self.peak_tflops} must be a positive finite number")
         if self.executor not in (None, "fabric", "slurm"):
             raise BadInput(f"unknown executor {self.executor!r}; use fabric or slurm")
         if self.rendezvous not in ("static", "c10d"):
@@ -90,7 +94,7 @@ class RenderOptions:
         unknown = [name for name in self.seed_options if name not in SEED_OPTIONS]
         if unknown:
             raise BadInput(f"unknown seed option {', '.join(unknown)}; known: {', '.join(SEED_OPTIONS)}")
-        bad_keys = [key for key, _ in self.extra_env if not ENV_KEY.match(key)]
+        bad_keys = [key for key, _ in self.extra_env if not ENV_KEY.fullmatch(key)]
         if bad_keys:
             raise BadInput(f"--env {bad_keys[0]!r} is not an environment variable name; use KEY=VALUE "
                            "with KEY made of letters, digits and '_'")
@@ -98,6 +102,8 @@ class RenderOptions:
             raise BadInput(f"process-group timeout {self.pg_timeout_s} s is out of range 1-86400")
         if not self.remote_dir.startswith("/"):
             raise BadInput(f"remote directory {self.remote_dir!r} must be an absolute path")
+        if not self.python:
+            raise BadInput("--python must name the Python on the nodes")
 
     @property
     def run_dir(self) -> str:

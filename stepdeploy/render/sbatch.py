@@ -16,8 +16,9 @@ from stepdeploy.render import templating
 from stepdeploy.render.options import RenderOptions
 
 SBATCH_SCRIPT = "sbatch.sh"
-_SLURM_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_DIRECTIVE_PATH = re.compile(r"^/[A-Za-z0-9._/+-]{1,200}$")
+# fullmatch: with `$` a trailing newline would pass and split the #SBATCH line (sbatch ignores the rest)
+_SLURM_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_DIRECTIVE_PATH = re.compile(r"/[A-Za-z0-9._/+-]{1,200}")
 
 
 def executor_kind(cluster: Cluster, opts: RenderOptions) -> str:
@@ -37,11 +38,11 @@ def tasks_per_node(cluster: Cluster, nproc: int) -> int:
 def render_sbatch(cluster: Cluster, opts: RenderOptions, placements: tuple[Any, ...], common: dict[str, Any],
                   nproc: int) -> str:
     names = [p.node.name for p in placements]
-    bad = [n for n in names if not _SLURM_NODE.match(n)]
+    bad = [n for n in names if not _SLURM_NODE.fullmatch(n)]
     if bad:
         raise BadInput(f"node name {bad[0]!r} cannot be a Slurm node name (letters, digits, '_', '-', '.'); "
                        "the slurm executor pins the job to the inventory's node names")
-    if not _DIRECTIVE_PATH.match(opts.run_dir):
+    if not _DIRECTIVE_PATH.fullmatch(opts.run_dir):
         raise BadInput(f"run directory {opts.run_dir!r} cannot go into an #SBATCH line; use a path of letters, "
                        "digits and ._/+- (--remote-dir)")
     gpus = cluster.nodes[0].gpus_per_node or 0

@@ -7,13 +7,18 @@ Rendered from templates/report.html.j2 with StrictUndefined and autoescape on: e
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
 import jinja2
 
+from stepdeploy import safeio
 from stepdeploy.render.templating import TEMPLATES_DIR
 from stepdeploy.report import terminal
 from stepdeploy.report.plots import Plot, write_plots
@@ -49,8 +54,24 @@ def render_html(summary: Summary, plots: list[Plot], *, generated: float) -> str
 
 def write_report(data: RunData, summary: Summary, html_path: Path, *,
                  clock: Callable[[], float] = time.time) -> list[Path]:
-    """Write the PNGs (named after the HTML file) and then the HTML; return every path written."""
+    """Write the PNGs (named after the HTML file) and then the HTML; return every path written. All or
+    nothing: everything is drawn into a private staging directory first, then renamed into place."""
+    safeio.check_output_file(html_path, "HTML report")
     html_path.parent.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(data, html_path.parent, html_path.stem)
-    html_path.write_text(render_html(summary, plots, generated=clock()), encoding="utf-8")
+    staging = Path(tempfile.mkdtemp(prefix=f".{html_path.name}.", dir=html_path.parent))
+    placed: list[Path] = []
+    try:
+        drawn = write_plots(data, staging, html_path.stem)
+        text = render_html(summary, drawn, generated=clock())  # plots are named relative to the HTML file
+        plots = [replace(p, path=html_path.parent / p.path.name) for p in drawn]
+        for before, after in zip(drawn, plots, strict=True):
+            os.replace(before.path, after.path)
+            placed.append(after.path)
+        safeio.write_atomic(html_path, text)
+    except BaseException:
+        for path in placed:
+            path.unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return [*(p.path for p in plots), html_path]

@@ -6,6 +6,7 @@ Side effects live here (files, SSH); the decisions (gates) are pure functions in
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from stepdeploy.remote.executor import RunStatus
 from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_run
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
 from stepdeploy.render.build import choose_layout, shipped_dataset, write_run
+from stepdeploy.render.manifest import read_manifest
 from stepdeploy.report.summary import LAYER_METRICS
 from stepdeploy.rollout.ladder import Rung, sub_cluster
 
@@ -72,7 +74,7 @@ def render_attempt(cluster: Cluster, rung: Rung, opts: RenderOptions, layout: st
 def executor_for(cluster: Cluster, local_run: Path) -> FabricExecutor | SlurmExecutor:
     """The executor the run was rendered for: slurm when its manifest says so (sbatch.sh; job events go to
     the rollout's ledger), else the SSH one."""
-    return executor_for_run(json.loads((local_run / "manifest.json").read_text()), cluster, local_run)
+    return executor_for_run(read_manifest(local_run), cluster, local_run)
 
 
 def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:
@@ -85,9 +87,16 @@ def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:
     return {}
 
 
+# The workload's metrics keys the gates and the ledger read as numbers (workload/metrics.py writes them).
+NUMERIC_KEYS = ("iteration", "time", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mem_allocated_gib",
+                "mem_reserved_gib", "mem_peak_gib", "mfu")
+
+
 def read_metrics(fetched: Path) -> list[dict[str, Any]]:
-    """Every metrics line fetched from the nodes (rank 0 writes them; its node's copy is the one)."""
-    return read_rank0_lines(fetched, "metrics.jsonl")
+    """Every metrics line fetched from the nodes (rank 0 writes them; its node's copy is the one). A figure the
+    gates read that is not a number is dropped: they meet numbers (NaN included) or nothing."""
+    return [{k: v for k, v in line.items() if k not in NUMERIC_KEYS or _number(v) is not None}
+            for line in read_rank0_lines(fetched, "metrics.jsonl") if _number(line.get("iteration")) is not None]
 
 
 def read_phases(fetched: Path) -> list[dict[str, Any]]:
@@ -98,14 +107,27 @@ def read_phases(fetched: Path) -> list[dict[str, Any]]:
 def read_rank0_lines(fetched: Path, name: str) -> list[dict[str, Any]]:
     lines: list[dict[str, Any]] = []
     for path in sorted(fetched.glob(f"**/out/{name}")):
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
-                lines.append(json.loads(line))
-            except ValueError:
+                data = json.loads(line)
+            except (ValueError, RecursionError):
                 continue  # a line cut by a kill: skip it
+            if isinstance(data, dict):
+                lines.append(data)
         if lines:
             break
     return lines
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number (NaN and infinities included: the gates judge those), else None."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def metric_time(metrics_line: dict[str, Any]) -> float:
+    """When the line was written (0 when it does not say, or says something that is not a time)."""
+    ts = _number(metrics_line.get("time"))
+    return ts if ts is not None and math.isfinite(ts) else 0.0
 
 
 def follow(executor: FabricExecutor, live: Live, *, deadline: float, interval: float,
@@ -143,17 +165,22 @@ def metric_rows(metrics: list[dict[str, Any]], names: tuple[str, ...]) -> list[t
     """Ledger rows (ts, rank, iteration, name, value); per-rank step times become one row per rank."""
     rows: list[tuple[float, int, int, str, float]] = []
     for m in downsample(metrics):
-        ts, it = float(m.get("time") or 0.0), int(m.get("iteration") or 0)
-        rows += [(ts, 0, it, name, float(m[name])) for name in names if isinstance(m.get(name), int | float)]
+        iteration = _number(m.get("iteration"))
+        if iteration is None or not math.isfinite(iteration):
+            continue
+        ts, it = metric_time(m), int(iteration)
+        rows += [(ts, 0, it, name, value) for name in names if (value := _number(m.get(name))) is not None]
         per_rank = m.get("rank_step_time_s")
         if isinstance(per_rank, list):
-            rows += [(ts, r, it, "rank_step_time_s", float(v)) for r, v in enumerate(per_rank) if v is not None]
+            rows += [(ts, r, it, "rank_step_time_s", value) for r, v in enumerate(per_rank)
+                     if (value := _number(v)) is not None]
         for name in LAYER_METRICS:
             per_layer = m.get(name)
             if isinstance(per_layer, dict):
-                rows += [(ts, 0, it, f"{name}/{layer}", float(v)) for layer, v in per_layer.items()
-                         if isinstance(v, int | float)]
+                rows += [(ts, 0, it, f"{name}/{layer}", value) for layer, v in per_layer.items()
+                         if (value := _number(v)) is not None]
         mtp = m.get("mtp_loss")
         if isinstance(mtp, list):
-            rows += [(ts, 0, it, f"mtp_loss/{k}", float(v)) for k, v in enumerate(mtp, 1) if isinstance(v, int | float)]
+            rows += [(ts, 0, it, f"mtp_loss/{k}", value) for k, v in enumerate(mtp, 1)
+                     if (value := _number(v)) is not None]
     return rows

@@ -6,7 +6,8 @@ Kept free of heavy imports: the CLI reads it without loading the SSH and renderi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from functools import cache
+from typing import Any, ClassVar, Literal
 
 from stepdeploy.errors import BadInput, StepdeployError
 from stepdeploy.rollout import gates
@@ -18,17 +19,22 @@ class StageFailed(StepdeployError):
     """A gate failed or a stage could not complete; the rollout stops there (and can be resumed)."""
 
 
+# How pydantic validates these dataclasses when a configuration is read back (no unknown keys, finite numbers).
+PYDANTIC_CONFIG = {"extra": "forbid", "allow_inf_nan": False}
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
+    __pydantic_config__: ClassVar[dict[str, Any]] = PYDANTIC_CONFIG
     inventory: str
     model: str
-    stages: tuple[str, ...]
+    stages: tuple[Literal["warmup", "scale", "soak"], ...]
     layout: str | None = None
     proxy_model: str | None = None
     warmup_iterations: int = 10
     scale_iterations: int = 30
     soak_duration_s: float = 72 * 3600.0
-    checkpoint_interval: int | str = 20  # soak: iterations between saves, or AUTO (rollout/checkpoint_interval.py)
+    checkpoint_interval: int | Literal["auto"] = 20  # soak: iterations between saves, or AUTO (checkpoint_interval.py)
     mtbf_s: float | None = None  # soak, auto interval: the job's mean time between failures; None: Llama 3's rate
     soak_max_restarts: int = 3
     attempt_timeout_s: float = 1800.0
@@ -36,7 +42,7 @@ class RolloutConfig:
     poll_interval_s: float = 2.0
     seq_length: int | None = None
     global_batch_size: int | None = None
-    executor: str | None = None  # fabric | slurm; None: the inventory's `stepdeploy_executor`, else fabric
+    executor: Literal["fabric", "slurm"] | None = None  # None: the inventory's `stepdeploy_executor`, else fabric
     inject: tuple[str, ...] = ()  # soak fault injections, e.g. "kill:rank=last@10m" (rollout/inject.py)
     monitor_interval_s: float = 5.0  # soak: the monitors' collection period
     heartbeat_timeout_s: float = 180.0  # soak: a running rank without a heartbeat this long is hung
@@ -49,14 +55,29 @@ class RolloutConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RolloutConfig:
-        data = dict(data)
-        data["stages"] = tuple(data["stages"])
-        data["inject"] = tuple(data.get("inject", ()))
-        data["thresholds"] = gates.Thresholds(**data.get("thresholds", {}))
-        return cls(**data)
+    def from_json(cls, data: Any, source: str = "the rollout configuration") -> RolloutConfig:
+        """The configuration a ledger holds, checked field by field (types, finite numbers, no unknown keys):
+        BadInput naming `source` and the first wrong field otherwise."""
+        from pydantic import ValidationError
+
+        try:
+            return _validator().validate_python(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+            raise BadInput(f"{source}: {where}: {first['msg']}; not a rollout configuration this stepdeploy "
+                           "reads") from None
+
+    def checked(self) -> RolloutConfig:
+        """This configuration, validated as a ledger's would be (what `rollout run` stores, it can read back)."""
+        return RolloutConfig.from_json(self.to_json(), "rollout options")
 
 
+@cache
+def _validator() -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(RolloutConfig)
 def parse_checkpoint_interval(text: str) -> int | str:
     """`--checkpoint-interval`: a number of iterations (at least 1) or `auto`."""
     value = text.strip().lower()

@@ -10,12 +10,15 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
 class Thresholds:
     """Gate thresholds; the defaults are documented in docs/rollout.md."""
+
+    # read back from a ledger: no unknown keys, no NaN/inf (rollout.config.RolloutConfig.from_json)
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid", "allow_inf_nan": False}
 
     min_scaling_efficiency: float = 0.7  # per-GPU throughput vs the previous rung of the same model
     min_mfu_vs_plan: float = 0.7  # a rung that changes the model: its MFU vs the planner's prediction

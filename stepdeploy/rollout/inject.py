@@ -33,8 +33,9 @@ from stepdeploy.errors import BadInput
 KINDS = ("kill", "hang", "link-down", "node-loss")
 RANK_KINDS, NODE_KINDS = ("kill", "hang"), ("link-down", "node-loss")
 DEFAULT_FOR_S = 60.0
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+):(?P<target>[a-z]+)=(?P<value>[^@,\s]+)@(?P<at>[^,\s]+)(?P<opts>(,[^,\s]+)*)$")
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h)?$")
+# whole values: fullmatch (a `$` would let a trailing newline through)
+_SPEC = re.compile(r"(?P<kind>[a-z-]+):(?P<target>[a-z]+)=(?P<value>[^@,\s]+)@(?P<at>[^,\s]+)(?P<opts>(,[^,\s]+)*)")
+_DURATION = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)(s|m|h)?")
 _EXAMPLES = "kill:rank=last@10m, hang:rank=0@20m, link-down:node=2@30m,for=90s, node-loss:node=2@40m"
 
 
@@ -53,7 +54,7 @@ class Injection:
 
 
 def duration(text: str, what: str, spec: str) -> float:
-    match = _DURATION.match(text)
+    match = _DURATION.fullmatch(text)
     if not match:
         raise BadInput(f"--inject {spec!r}: {what} {text!r} is not a duration like 30s, 10m or 1h")
     return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2) or "s"]
@@ -62,7 +63,7 @@ def duration(text: str, what: str, spec: str) -> float:
 def parse(spec: str) -> Injection:
     """One `--inject` value -> Injection (BadInput with the valid forms on any mistake)."""
     text = spec.strip()
-    match = _SPEC.match(text)
+    match = _SPEC.fullmatch(text)
     if not match:
         raise BadInput(f"--inject {spec!r} is not KIND:rank=R@T or KIND:node=N@T[,for=D]; e.g. {_EXAMPLES}")
     kind, target, value = match["kind"], match["target"], match["value"]

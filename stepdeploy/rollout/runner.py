@@ -8,9 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stepdeploy.errors import BadInput
 from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
-from stepdeploy.ledger import Ledger
+from stepdeploy.ledger import Ledger, NotALedger
 from stepdeploy.monitor import diagnose
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
@@ -21,23 +22,29 @@ from stepdeploy.rollout.attempt import (
     executor_for,
     follow,
     metric_rows,
+    metric_time,
     read_metrics,
     render_attempt,
 )
 from stepdeploy.rollout.config import RolloutConfig, StageFailed
-from stepdeploy.rollout.ladder import Rung, scale_ladder, target_rung
+from stepdeploy.rollout.ladder import STAGES, Rung, scale_ladder, target_rung
 
 
 class Rollout:
     def __init__(self, run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig,
-                 on_tick: Callable[[Live], None] = lambda _live: None) -> None:
+                 on_tick: Callable[[Live], None] = lambda _live: None, cluster: Cluster | None = None) -> None:
+        """`cluster`: the inventory as the CLI accepted it (host-key checking); None: read config.inventory."""
         self.run_dir, self.ledger, self.run_id, self.config = run_dir, ledger, run_id, config
-        self.cluster: Cluster = load_cluster(config.inventory)
+        self.cluster: Cluster = cluster or load_cluster(config.inventory)
         self.on_tick = on_tick
         self.live = Live()
 
     # --- the whole run -------------------------------------------------------------------------------------
     def run(self) -> None:
+        unknown = [s.name for s in self.ledger.stages(self.run_id) if s.name not in STAGES]
+        if unknown:  # before anything is written
+            raise NotALedger(f"{self.ledger.path}: stage {unknown[0]!r} is not a rollout stage "
+                             f"({', '.join(STAGES)}); not a ledger this stepdeploy wrote")
         self.ledger.set_run_status(self.run_id, "running")
         while (stage := self.ledger.next_stage(self.run_id)) is not None:
             if self._stop_requested():
@@ -46,7 +53,10 @@ class Rollout:
                 return
             self.ledger.set_stage(self.run_id, stage.name, "running")
             try:
-                getattr(self, f"_{stage.name}")()
+                try:
+                    getattr(self, f"_{stage.name}")()
+                except BadInput as exc:  # met once the rollout runs (a rendering refused): the stage fails
+                    raise StageFailed(f"{stage.name}: {exc.message}", hint=exc.hint) from None
             except StageFailed as exc:
                 self.ledger.set_stage(self.run_id, stage.name, "failed", exc.message)
                 self.ledger.set_run_status(self.run_id, "failed")
@@ -133,16 +143,23 @@ class Rollout:
         mine = [a for a in self.ledger.attempts(self.run_id, stage) if a["rung"] == rung.name]
         if mine and mine[-1]["status"] == "running":
             left = mine[-1]
-            local = Path(left["detail"]["local_run"])
-            with executor_for(self.cluster, local) as executor:
-                status = executor.poll()
+            local = Path(str(left["detail"].get("local_run") or self.run_dir / "attempts" / "missing"))
+            try:
+                with executor_for(self.cluster, local) as executor:
+                    status = executor.poll()
+            except BadInput as exc:  # its run directory is gone or damaged: nothing to re-attach to
+                self.ledger.finish_attempt(left["id"], "failed", {"reason": f"cannot re-attach: {exc.message}"})
+                return self._new_attempt(stage, rung, iterations, len(mine) + 1)
             if status.running or status.finished_ok:
                 self.ledger.event(self.run_id, "attempt", f"{stage}/{rung.name} attempt {left['number']} "
                                   "re-attached", stage=stage, rung=rung.name)
                 return left["id"], local, left["detail"].get("plan", {}), True
             self.ledger.finish_attempt(left["id"], "failed", {"reason": "the controller died and so did the run: "
                                                               + "; ".join(status.culprits() or ["processes gone"])})
-        number = len(mine) + 1
+        return self._new_attempt(stage, rung, iterations, len(mine) + 1)
+
+    def _new_attempt(self, stage: str, rung: Rung, iterations: int, number: int
+                     ) -> tuple[int, Path, dict[str, Any], bool]:
         local = self.run_dir / "attempts" / f"{stage}-{rung.name}-a{number}"
         opts = self.render_options(stage, rung, iterations, f"{self.run_id}-{stage}-{rung.name}-a{number}")
         layout = self.config.layout if rung.model == self.config.model else None
@@ -186,7 +203,7 @@ class Rollout:
         appends to the same metrics file, so earlier attempts' lines are not counted twice)."""
         fetched = local / "fetched"
         executor.fetch(fetched)
-        metrics = [m for m in read_metrics(fetched) if float(m.get("time") or 0.0) >= since]
+        metrics = [m for m in read_metrics(fetched) if metric_time(m) >= since]
         if metrics:
             self.ledger.add_metrics(self.run_id, attempt, metric_rows(metrics, METRIC_NAMES))
         return metrics

@@ -276,7 +276,10 @@ def _alive(r: Rollout, local: Path) -> bool:
 def _soak_dir(r: Rollout, rung: Any) -> Path:
     """The soak's one run directory (rendered once; restarts reuse it so checkpoints carry over)."""
     for a in r.ledger.attempts(r.run_id, "soak"):
-        return Path(a["detail"]["local_run"])
+        recorded = a["detail"].get("local_run")
+        if isinstance(recorded, str) and (Path(recorded) / "manifest.json").is_file():
+            return Path(recorded)
+        break  # gone or damaged: render it again below
     local = r.run_dir / "attempts" / "soak-target"
     if not (local / "manifest.json").exists():
         schedule = soak_schedule(r.config.soak_duration_s, *checkpoint_interval.step_estimate(r))

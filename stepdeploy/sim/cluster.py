@@ -21,7 +21,7 @@ from stepdeploy.sim import state as statefile
 from stepdeploy.sim.state import NodeState, SimState, is_ours
 
 Progress = Callable[[str], None]
-_NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+_NAME = re.compile(r"[a-z][a-z0-9]{0,7}")  # fullmatch: no trailing newline
 MAX_NODES = 64
 
 
@@ -38,7 +38,7 @@ class SimConfig:
     recipe: base.BaseRecipe = field(default_factory=base.BaseRecipe)
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise BadInput(f"cluster name {self.name!r} must be 1-8 lowercase letters/digits, "
                            "starting with a letter")
         try:

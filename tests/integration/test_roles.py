@@ -285,4 +285,5 @@ def test_conda_path_in_check_mode(cluster: RolesCluster, tmp_path: Path) -> None
                  "      - --find-links http://mirror.example/wheels/", "  - http://mirror.example/conda-forge"):
         assert line in env_file.splitlines(), env_file
     cluster.sh(FRESH, "test ! -e /etc/stepdeploy/environment.yml && test ! -e /opt/miniforge3 "
-                      "&& test ! -e /var/tmp/miniforge-installer.sh")
+                      "&& test ! -e /var/tmp/miniforge-installer.sh "
+                      "&& test ! -e /var/lib/stepdeploy/installers/miniforge-installer.sh")

@@ -64,6 +64,30 @@ def test_paramiko_rejects_a_wrong_host_key(sim_cluster: Cluster, tmp_path: Path)
         conn.run("true", hide=True)
 
 
+def test_every_hop_of_a_proxyjump_is_verified(sim_cluster: Cluster, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """node2 reached through node1, as ~/.ssh/config (Fabric builds that hop itself) or the inventory's -J
+    say: with node1's key missing from known_hosts the jump is refused, not trusted on first use."""
+    node1, node2 = sim_cluster.state.nodes[:2]
+    key = sim_cluster.cfg.client_key
+    lines = sim_cluster.cfg.known_hosts.read_text().splitlines()
+    only_node2 = tmp_path / "known_hosts"
+    only_node2.write_text("".join(f"{line}\n" for line in lines if node2.address in line.split()[0].split(",")))
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(f"Host {node1.address}\n  User root\n  IdentityFile {key}\n"
+                                          f"Host {node2.address}\n  ProxyJump {node1.address}\n")
+    monkeypatch.setenv("HOME", str(home))
+    for jump in (None, f"root@{node1.address}"):  # ~/.ssh/config's ProxyJump, then the inventory's -J
+        refused = Endpoint(host=node2.address, key_file=key, known_hosts=only_node2, proxy_jump=jump)
+        with pytest.raises(paramiko.SSHException, match=f"{node1.address}.*not found in known_hosts"), \
+                connection(refused) as conn:
+            conn.run("true", hide=True)
+        known = Endpoint(host=node2.address, key_file=key, known_hosts=sim_cluster.cfg.known_hosts, proxy_jump=jump)
+        with connection(known) as conn:
+            assert conn.run("hostname", hide=True).stdout.strip() == node2.name
+
+
 def test_fabric_group_runs_on_every_node(sim_cluster: Cluster) -> None:
     grp = group(sim_cluster.endpoints)
     try:

@@ -39,7 +39,8 @@ def test_show_json_is_the_cluster_model(capsys: pytest.CaptureFixture[str]) -> N
     assert [n["name"] for n in data["nodes"]] == ["spark-1", "spark-2"]
     assert data["nodes"][0]["ib_hcas"] == ["rocep1s0f1", "roceP2p1s0f1"]
     assert data["nodes"][0]["ssh"] == {"user": None, "port": 22, "private_key_file": None,
-                                       "known_hosts_file": None, "connection": "ssh"}
+                                       "known_hosts_file": None, "connection": "ssh", "unverified_by": None,
+                                       "host_key_checking": True, "proxy_jump": None}
     assert data["profile"]["name"] == "spark-cuda13"
     assert data["profile"]["torch"] == "2.11.0"
 
