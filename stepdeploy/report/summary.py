@@ -14,16 +14,8 @@ from functools import cached_property
 from typing import Any
 
 from stepdeploy.ledger import Ledger, Stage
+from stepdeploy.monitor.parse_workload import LAYER_METRICS, METRIC_NAMES, MTP_LOSS
 
-# The workload's metric keys (stepdeploy/workload/metrics.py METRIC_KEYS, which cannot be imported here:
-# it is shipped to the nodes as a loose file) that the report reads back from the ledger.
-METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
-                "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu",
-                "moe_load_max", "moe_dropped", "router_bias_absmax")
-# per-layer metrics of MoE models ({layer: value} in a metrics line): ledger rows named "<name>/<layer>"; the MTP
-# losses ([one per MTP layer]): "mtp_loss/<k>" (k from 1)
-LAYER_METRICS = ("moe_load", "router_bias")
-MTP_LOSS = "mtp_loss"
 # Informational kinds the ledger and the rollout controller write (the soak's learning-rate schedule, its
 # resolved checkpoint interval and its goodput included); anything else (failure, restart, fault injection,
 # monitor breaches) counts as a fault/notice.

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from stepdeploy import __version__
 from stepdeploy.catalog import load_hardware, load_model
 from stepdeploy.inventory.model import Cluster
+from stepdeploy.monitor.parse_workload import LAYER_METRICS
 from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.remote.executor import RunStatus
 from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_run
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
 from stepdeploy.render.build import choose_layout, shipped_dataset, write_run
 from stepdeploy.render.manifest import read_manifest
-from stepdeploy.report.summary import LAYER_METRICS
 from stepdeploy.rollout.ladder import Rung, sub_cluster
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, NotALedger
 from stepdeploy.monitor import diagnose
+from stepdeploy.monitor.parse_workload import METRIC_NAMES  # the names the report plots
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
-from stepdeploy.report.summary import METRIC_NAMES  # the names the report plots
 from stepdeploy.rollout import gates, soak
 from stepdeploy.rollout.attempt import (
     Live,
