@@ -27,11 +27,13 @@ rollout() {  # NAME SECONDS ARGS...: one rollout, its report, its ledger and fet
     tar -czf "$out/$name.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' "$name"
 }
 
-# ROLLOUTS picks (default both); the run's files must stay few (the device returns 8 files)
+# ROLLOUTS picks (default moe dense; moe-soak: the slice's soak alone, its training gates on GPU); the run's files must stay few (the device returns 8 files)
 for name in ${ROLLOUTS:-moe dense}; do
     case $name in
         moe) rollout moe 400 -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak --warmup-iterations 6 \
                  --scale-iterations 10 --soak-duration 50s --checkpoint-interval 100000 --data /tmp/corpus ;;
+        moe-soak) rollout moe-soak 430 -m step-3.5-flash-slice-1gpu --stages warmup,soak --warmup-iterations 6 \
+                 --soak-duration 150s --checkpoint-interval 100000 --data /tmp/corpus ;;
         dense) rollout dense 200 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \
                    --soak-duration 100s --checkpoint-interval 30 --inject kill:rank=last@65s ;;
     esac

@@ -121,7 +121,9 @@ class FabricExecutor:
         staging, tarball = f"{run_dir}.staging-{digest}", f"{run_dir}.upload-{digest}.tar.gz"
         # The names below are predictable: only a parent no other user can write keeps them ours (a shared
         # /tmp would let anyone plant a link the upload follows, or files torchrun imports as root).
-        made = self._sh(target, f"mkdir -p -- {q(parent)} && test -z \"$(find {q(parent)} -maxdepth 0 -perm -0002)\"")
+        # -H: a parent that is a link is judged by what it points to (a link's own mode is always 0777)
+        made = self._sh(target, f"mkdir -p -- {q(parent)} && "
+                                f"test -z \"$(find -H {q(parent)} -maxdepth 0 -perm -0002)\"")
         if not made.ok:
             return NodeResult(target.name, False, f"{parent} is missing or writable by every user; render with a "
                                                   "--remote-dir only root can write (default /var/lib/stepdeploy/runs)")

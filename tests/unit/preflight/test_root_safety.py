@@ -207,3 +207,21 @@ def test_upload_refuses_a_run_directory_in_a_world_writable_parent(tmp_path: Pat
     [uploaded] = local_executor(private / "r1", tmp_path, []).prepare(run)
     assert uploaded.ok, uploaded.detail
     assert (private / "r1" / "manifest.json").read_text() == "{}"
+
+
+def test_upload_judges_a_linked_parent_by_what_it_points_to(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "manifest.json").write_text("{}")
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (tmp_path / "to-private").symlink_to(private)  # a link's own mode is 0777: the target's is what counts
+    (tmp_path / "to-shared").symlink_to(shared)
+    [uploaded] = local_executor(tmp_path / "to-private" / "r1", tmp_path, []).prepare(run)
+    assert uploaded.ok, uploaded.detail
+    assert (private / "r1" / "manifest.json").read_text() == "{}"
+    [refused] = local_executor(tmp_path / "to-shared" / "r1", tmp_path, []).prepare(run)
+    assert not refused.ok and "writable by every user" in refused.detail
+    assert list(shared.iterdir()) == []
