@@ -33,7 +33,7 @@ class Thresholds:
     spike_z: float = 6.0  # ... by this robust z-score (MAD) ...
     spike_min_rise: float = 0.05  # ... and at least 5 % above it
     max_loss_spikes: int = 0
-    max_grad_norm_ratio: float = 10.0  # after warm-up: the largest gradient norm over the median
+    max_grad_norm_ratio: float = 10.0  # after warm-up: a gradient norm over its running median; the last over the first
     max_expert_load: float = 4.0  # MoE, after warm-up: median over steps of the busiest expert / the mean
     max_dropped: float = 0.0  # MoE: routed assignments dropped in a step (stepdeploy renders dropless dispatchers)
     max_router_bias: float = 1.0  # MoE: |expert bias|; sigmoid scores lie in (0, 1)

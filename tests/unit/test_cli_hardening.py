@@ -46,7 +46,7 @@ def test_every_command_group_help_shows_an_example(group: str, capsys: pytest.Ca
 
 def test_every_group_is_covered() -> None:
     groups = {name for name, cmd in typer.main.get_command(app).commands.items() if hasattr(cmd, "commands")}
-    assert groups == {"sim", "inventory", "rollout", "run"}
+    assert groups == {"sim", "inventory", "rollout", "run", "data"}
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -244,7 +244,7 @@ def test_usage_errors_from_a_fresh_process_are_one_line() -> None:
     assert res.stderr.splitlines()[-1] == "hint: stepdeploy render --help"
 
 
-@pytest.mark.parametrize("group", ["run", "rollout", "sim", "inventory"])
+@pytest.mark.parametrize("group", ["run", "rollout", "sim", "inventory", "data"])
 def test_a_bare_command_group_shows_its_help_and_one_error_line(group: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     code = run_main([group])

@@ -377,6 +377,7 @@ def render_case(draw: st.DrawFn) -> Case:
         "--env": st.tuples(hostile(), hostile()).map("=".join) | hostile(), "--no-nvls": None,
         "--remote-dir": st.sampled_from(["/var/lib/stepdeploy/runs", "/tmp", "relative"]) | hostile(),
         "--python": hostile(), "--facts-dir": st.sampled_from([".stepdeploy/facts", "missing", "existing-file"]),
+        "--data": st.sampled_from(["missing", "existing-file", "existing-dir", "fifo"]) | hostile(),
         "--dry-run": None, "--json": None}, most=5)
     return Case(argv, files)
 
@@ -403,7 +404,7 @@ def rollout_case(draw: st.DrawFn) -> Case:
         argv += options(draw, {
             "--stages": st.sampled_from(["warmup", "warmup,scale,soak", "soak", "bake"]) | hostile(),
             "--soak-duration": st.sampled_from(["90s", "10m", "0s", "1e9s", "-5m", "5x"]) | hostile(),
-            "--checkpoint-interval": number(), "--warmup-iterations": number(), "--scale-iterations": number(),
+            "--warmup-iterations": number(), "--scale-iterations": number(),
             "--layout": layout(), "--min-scaling-efficiency": number(), "--max-step-time": number(),
             "--pg-timeout": number(), "--seq": number(), "--gbs": number(),
             "--run-dir": st.sampled_from(["runs/new", "runs/r1", "existing-file", "runs/" + "x" * 40]) | hostile(),
@@ -412,7 +413,10 @@ def rollout_case(draw: st.DrawFn) -> Case:
                                          "node-loss:node=x@1s"]) | hostile(),
             "--heartbeat-timeout": st.sampled_from(["180s", "0s"]) | hostile(),
             "--monitor-interval": st.sampled_from(["5s", "0s"]) | hostile(),
-            "--max-restarts": number(), "--insecure": None}, most=5)
+            "--max-restarts": number(), "--insecure": None,
+            "--checkpoint-interval": st.sampled_from(["auto", "AUTO", "0", "x"]) | number(),
+            "--mtbf": st.sampled_from(["6h", "0s", "x"]) | hostile(),
+            "--data": st.sampled_from(["missing", "existing-file", "existing-dir", "fifo"]) | hostile()}, most=5)
         if not WIDE or draw(st.integers(0, 3)):
             argv.append("--dry-run")  # a real rollout renders and tries its (unreachable) nodes: bench only
     elif verb == "list":
@@ -498,6 +502,22 @@ def demo_case(draw: st.DrawFn) -> Case:
     return Case(argv)
 
 
+@st.composite
+def data_case(draw: st.DrawFn) -> Case:
+    """`data prepare`: inputs missing, special (a FIFO, /dev/zero), hostile names, text that is not UTF-8; every
+    kind of --out."""
+    files = {"docs/a.md": ("text", "# a\nsome text\n"), "docs/b.txt": ("bytes", b"\xff\xfe\x00 not utf-8"),
+             "empty-dir/.keep": ("text", "")}
+    inputs = draw(st.lists(st.sampled_from(["docs", "docs/a.md", "existing-file", "existing-dir", "empty-dir",
+                                            "missing", "fifo", "/dev/zero", "/proc/self/mem", ""]) | hostile(),
+                           min_size=0, max_size=3))
+    argv = ["data", "prepare", *inputs]
+    if draw(st.booleans()):
+        argv += ["--out", draw(st.sampled_from(OUT_PATHS))]
+    argv += options(draw, {"--json": None})
+    return Case(argv, files)
+
+
 # never "up" or "demo": a stray vector must not be able to start a cluster
 WORDS = ["provision", "preflight", "render", "report", "plan", "sim", "inventory", "rollout", "run", "show",
          "list", "status", "--help", "-h", "--version", "--json", "--no-such-option", "-x", "--", "-"]
@@ -506,12 +526,12 @@ WORDS = ["provision", "preflight", "render", "report", "plan", "sim", "inventory
 @st.composite
 def stray_case(draw: st.DrawFn) -> Case:
     """Argument vectors that are no command at all: unknown words, stray options, help in odd places."""
-    first = draw(st.sampled_from(["sim", "inventory", "rollout", "run", "plan", "render"]))
+    first = draw(st.sampled_from(["sim", "inventory", "rollout", "run", "plan", "render", "data"]))
     return Case([first, *draw(st.lists(st.sampled_from(WORDS) | hostile(), max_size=4))])
 
 
 COMMANDS: dict[str, Callable[[], st.SearchStrategy[Case]]] = {
     "inventory": inventory_case, "plan": plan_case, "render": render_case, "report": report_case,
     "rollout": rollout_case, "run": run_case, "preflight": preflight_case, "provision": provision_case,
-    "sim": sim_case, "demo": demo_case, "stray": stray_case,
+    "sim": sim_case, "demo": demo_case, "data": data_case, "stray": stray_case,
 }

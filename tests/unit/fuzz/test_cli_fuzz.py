@@ -26,7 +26,7 @@ from .harness import Runner
 
 # examples per command: the in-suite figure, or the bench's
 EXAMPLES = {"inventory": 25, "plan": 25, "render": 30, "report": 25, "rollout": 30, "run": 25, "preflight": 20,
-            "provision": 12, "sim": 15, "demo": 6, "stray": 15}
+            "provision": 12, "sim": 15, "demo": 6, "data": 15, "stray": 15}
 BENCH = int(os.environ.get("STEPDEPLOY_FUZZ_EXAMPLES", "0"))
 _counter = itertools.count()
 
