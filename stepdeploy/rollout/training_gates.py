@@ -11,7 +11,8 @@ last run), like rollout/gates.py's.
                     the running median of the spike_window norms before it, and the median of the last
                     window stays within max_grad_norm_ratio x the first's (the seed's "gradient value range").
     expert_load     MoE models, after warm-up: the median over steps of the busiest expert's tokens over the
-                    mean (the worst layer each step) within max_expert_load; no token dropped beyond
+                    mean (the worst layer each step) within max_expert_load and within max_busiest_share of its
+                    ceiling E/k (where one expert takes every token); no token dropped beyond
                     max_dropped; the router's expert bias within max_router_bias (sigmoid scores lie in (0, 1):
                     a bias beyond 1 outweighs any score, the router no longer decides).
 """
@@ -142,11 +143,23 @@ def expert_load(metrics: Metrics, warmup: int, t: Thresholds) -> list[GateVerdic
         return [GateVerdict("expert_load", False, None, t.max_expert_load,
                             "no expert load reported after the warm-up")]
     median = statistics.median(loads)
-    verdicts = [GateVerdict("expert_load", median <= t.max_expert_load,
-                            {"median": round(median, 3), "max": round(max(loads), 3), "steps": len(loads)},
-                            t.max_expert_load, f"busiest expert {median:.2f}x the mean (median over {len(loads)} "
-                            f"steps after warm-up, worst layer each step; 1.0 is perfect balance)"
-                            + ("" if median <= t.max_expert_load else f", beyond {t.max_expert_load}"))]
+    # At the ceiling E/k (experts over the experts each token goes to) the busiest expert takes every token: with
+    # few experts (the 1-GPU slice: 32 of which 8, a ceiling of 4) max_expert_load alone could never fail.
+    ceiling = next((m["moe_load_ceiling"] for m in rows if _finite(m.get("moe_load_ceiling"))), None)
+    share = median / ceiling if ceiling else None
+    passed = median <= t.max_expert_load and (share is None or share <= t.max_busiest_share)
+    measured = {"median": round(median, 3), "max": round(max(loads), 3), "steps": len(loads)}
+    if share is not None:
+        measured |= {"ceiling": ceiling, "share": round(share, 3)}
+    why = ""
+    if median > t.max_expert_load:
+        why = f", beyond {t.max_expert_load}"
+    elif share is not None and share > t.max_busiest_share:
+        why = (f": {share:.0%} of its ceiling {ceiling:g} (> {t.max_busiest_share:.0%}), the busiest expert takes "
+               "(nearly) every token: the router has collapsed onto it")
+    verdicts = [GateVerdict("expert_load", passed, measured, t.max_expert_load,
+                            f"busiest expert {median:.2f}x the mean (median over {len(loads)} steps after warm-up, "
+                            f"worst layer each step; 1.0 is perfect balance)" + why)]
     dropped = max((m["moe_dropped"] for m in rows if _finite(m.get("moe_dropped"))), default=0.0)
     verdicts.append(GateVerdict("tokens_dropped", dropped <= t.max_dropped, dropped, t.max_dropped,
                                 f"at most {dropped:.2%} of the routed assignments dropped in a step"))

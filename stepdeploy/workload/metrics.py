@@ -27,7 +27,7 @@ METRIC_KEYS = ("iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_pe
 # written when given: the megatron engine's phase split; MoE models' expert load (moe_stats.py), router bias
 # (expert-bias balancing) and MTP losses (one per MTP layer)
 OPTIONAL_KEYS = ("forward_backward_s", "optimizer_s", "profiled", "moe_load", "moe_load_max", "moe_dropped",
-                 "router_bias", "router_bias_absmax", "mtp_loss")
+                 "moe_load_ceiling", "router_bias", "router_bias_absmax", "mtp_loss")
 
 
 class RankFiles:

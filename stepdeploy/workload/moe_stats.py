@@ -8,8 +8,9 @@ tokens scale every expert alike, so max/mean is unchanged), takes each layer's l
 across data-parallel ranks: MAX, not SUM) and clears the counts for the next step. Layers are named by their
 global 1-based number; MTP layers come after the decoder's (megatron numbers them so).
 
-    max/mean   the busiest expert's tokens over the mean: 1.0 is perfect balance, E (experts) is one expert
-               taking every token. Computed over the tokens of one global batch.
+    max/mean   the busiest expert's tokens over the mean: 1.0 is perfect balance; its ceiling E/k (experts over
+               the experts each token goes to: `moe_load_ceiling`) is one expert taking every token.
+               Computed over the tokens of one global batch.
     dropped    the fraction of (token, expert) assignments the router did not deliver (a capacity factor
                drops them); 0 for the dropless dispatchers stepdeploy renders.
 """
@@ -72,11 +73,11 @@ class RouterStats:
         self.counts.zero_()
         self.assigned.zero_()
         return summarise(counts.cpu(), assigned.cpu(), present.cpu(), bias.cpu(), bool(self.bias_of) and any(
-            r is not None for r in self.bias_of.values()))
+            r is not None for r in self.bias_of.values()), ceiling=self.experts / self.topk)
 
 
 def summarise(counts: torch.Tensor, assigned: torch.Tensor, present: torch.Tensor, bias: torch.Tensor,
-              has_bias: bool) -> dict[str, Any]:
+              has_bias: bool, ceiling: float | None = None) -> dict[str, Any]:
     load: dict[str, float] = {}
     for slot in range(counts.shape[0]):
         total = float(counts[slot].sum())
@@ -85,6 +86,8 @@ def summarise(counts: torch.Tensor, assigned: torch.Tensor, present: torch.Tenso
     routed, asked = float(counts.sum()), float(assigned.sum())
     out: dict[str, Any] = {"moe_load": load, "moe_load_max": max(load.values()) if load else None,
                            "moe_dropped": round(max(0.0, 1.0 - routed / asked), 6) if asked else None}
+    if ceiling is not None:
+        out["moe_load_ceiling"] = round(ceiling, 4)
     if has_bias:
         per_layer = {str(s + 1): round(float(bias[s]), 6) for s in range(bias.shape[0]) if present[s] > 0}
         out |= {"router_bias": per_layer, "router_bias_absmax": max(per_layer.values()) if per_layer else None}

@@ -110,6 +110,13 @@ def test_expert_load_dropped_tokens_and_router_bias_after_warmup() -> None:
     failed = {v.gate for v in expert_load(skewed, warmup=5, t=T) if not v.passed}
     assert failed == {"expert_load", "tokens_dropped", "router_bias"}
     assert expert_load(run([2.0] * 30), warmup=5, t=T) == []  # a dense model
+    # the H200 slice's soak (32 experts, 8 per token: a ceiling of 4): the busiest expert of the worst layer took
+    # every token from step 3 on; under max_expert_load, yet collapsed
+    collapsed = run([2.0] * 30, moe_load_max=[2.68, 3.99] + [4.0] * 28, moe_load_ceiling=[4.0] * 30)
+    [verdict] = [v for v in expert_load(collapsed, warmup=6, t=T) if v.gate == "expert_load"]
+    assert not verdict.passed and verdict.measured["share"] == 1.0 and "collapsed" in verdict.reason
+    spread = run([2.0] * 30, moe_load_max=[1.6] * 30, moe_load_ceiling=[4.0] * 30)
+    assert next(v for v in expert_load(spread, warmup=6, t=T) if v.gate == "expert_load").passed
 
 
 def test_redone_iterations_count_once_as_their_last_run() -> None:

@@ -30,6 +30,7 @@ def test_router_stats_summarise_load_dropped_and_bias_per_layer() -> None:
     assert abs(out["moe_dropped"] - 4 / 36) < 1e-6  # 32 of the 36 assignments asked for were routed
     assert out["router_bias"] == {"2": 0.01, "3": 0.0} and out["router_bias_absmax"] == 0.01
     assert "router_bias" not in summarise(counts, torch.zeros(3), present, torch.zeros(3), False)
+    assert summarise(counts, torch.zeros(3), present, torch.zeros(3), False, ceiling=32 / 8)["moe_load_ceiling"] == 4
 
     stats = RouterStats(slots=2, experts=2, topk=1, device="cpu")  # no process group: this rank's counts alone
     stats.present[1] = 1.0
