@@ -7,7 +7,6 @@ a dip in tokens/s lines up with the restart on the timeline. A plot without data
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,20 +15,24 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from stepdeploy.report import plots_training as training
+from stepdeploy.report.plot_base import (
+    Drawer,
+    TimeAxis,
+    by_segment,
+    legend,
+    per_attempt,
+    plain,
+    shade_stages,
+)
 from stepdeploy.report.summary import RunData, is_fault, rank_skew, stage_span
 
 DPI = 110
 SIZE = (10.0, 3.6)
 STATUS_COLOR = {"passed": "#2ca02c", "failed": "#d62728", "running": "#ff7f0e", "stopped": "#9467bd",
                 "skipped": "#c7c7c7", "pending": "#e0e0e0"}
-STAGE_SHADES = ("#f2f2f2", "#e3ecf7")
 LABEL_WIDTH_PER_CHAR = 0.0065  # share of the time axis one label character takes; a narrower bar gets no label
 MAX_RANK_LINES = 16  # above this, per-rank step time is drawn as a min/median/max band
-
-
-def plain(text: str) -> str:
-    """Ledger text drawn as typed: an even number of `$` would otherwise switch matplotlib to mathtext."""
-    return text.replace("$", r"\$")
 
 
 RANK_CAPTION = "step time of each rank (lines on top of each other: equally fast ranks; one above: a straggler)"
@@ -43,32 +46,8 @@ class Plot:
     caption: str
 
 
-@dataclass(frozen=True)
-class TimeAxis:
-    origin: float
-    end: float
-    scale: float
-    label: str
-
-    @classmethod
-    def for_run(cls, data: RunData) -> TimeAxis:
-        end = data.last_seen
-        span = end - data.run["created"]
-        scale, unit = (1.0, "s") if span <= 180 else (60.0, "min") if span <= 3 * 3600 else (3600.0, "h")
-        return cls(data.run["created"], end, scale, f"time since run start ({unit})")
-
-    def __call__(self, ts: float) -> float:
-        return (ts - self.origin) / self.scale
-
-
-Drawer = Callable[[RunData, Axes, "TimeAxis"], bool]
-
-
 def write_plots(data: RunData, out_dir: Path, prefix: str) -> list[Plot]:
     """Draw every plot that has data into out_dir/<prefix>-<name>.png; return those written, in order."""
-    # the training-metric and goodput plots build on this module's helpers: imported here, not at the top
-    from stepdeploy.report import plots_training as training
-
     axis = TimeAxis.for_run(data)
     drawers: list[tuple[str, str, str, Drawer]] = [
         ("loss", "Loss", "training loss of every attempt, coloured by stage/rung", _loss),
@@ -95,22 +74,6 @@ def write_plots(data: RunData, out_dir: Path, prefix: str) -> list[Plot]:
     return plots
 
 
-def shade_stages(data: RunData, ax: Axes, axis: TimeAxis) -> None:
-    for i, stage in enumerate(data.stages):
-        start, end = stage_span(data, stage)
-        if start is None or end is None:
-            continue
-        ax.axvspan(axis(start), axis(end), color=STAGE_SHADES[i % 2], zorder=0)
-        ax.annotate(plain(stage.name), (axis(start), 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(3, -11 - 10 * (i % 2)), textcoords="offset points", fontsize=8, color="#555555")
-
-
-def _lowest_rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run-wide values (loss, tokens/s) come from rank 0; should several ranks report one, draw one line."""
-    lowest = min((r["rank"] for r in rows), default=0)
-    return [r for r in rows if r["rank"] == lowest]
-
-
 def _max_over_ranks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Memory of the fullest rank per step: the one that runs out first."""
     steps: dict[tuple[int, int], dict[str, Any]] = {}
@@ -119,42 +82,6 @@ def _max_over_ranks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if key not in steps or row["value"] > steps[key]["value"]:
             steps[key] = row
     return sorted(steps.values(), key=lambda r: r["ts"])
-
-
-def legend(ax: Axes, **kwargs: Any) -> None:
-    """Outside the plot, on the right: it never hides a curve, and every plot keeps the same width."""
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), **kwargs)
-
-
-def _segment_colors(data: RunData) -> dict[tuple[str, str], Any]:
-    segments = list(dict.fromkeys(data.segment_of.values()))
-    palette = [f"C{i % 10}" for i in range(len(segments))]
-    return dict(zip(segments, palette, strict=True))
-
-
-def per_attempt(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    grouped: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        grouped[row["attempt_id"]].append(row)
-    return grouped
-
-
-def by_segment(data: RunData, ax: Axes, axis: TimeAxis, name: str, ylabel: str) -> bool:
-    rows = [r for r in data.metrics.get(name, []) if r["attempt_id"] in data.segment_of]
-    if not rows:
-        return False
-    shade_stages(data, ax, axis)
-    colors, labelled = _segment_colors(data), set()
-    marker = "." if len(rows) < 150 else None
-    for attempt_id, points in per_attempt(_lowest_rank(rows)).items():
-        segment = data.segment_of[attempt_id]
-        label = None if segment in labelled else plain("/".join(segment))
-        labelled.add(segment)
-        ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color=colors[segment],
-                label=label, marker=marker, linewidth=1.3)
-    ax.set_ylabel(ylabel)
-    legend(ax)
-    return True
 
 
 def _loss(data: RunData, ax: Axes, axis: TimeAxis) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 from matplotlib.axes import Axes
 
-from stepdeploy.report.plots import Drawer, TimeAxis, by_segment, legend, per_attempt, plain, shade_stages
+from stepdeploy.report.plot_base import Drawer, TimeAxis, by_segment, legend, per_attempt, plain, shade_stages
 from stepdeploy.report.summary import (
     FAILURE_LABELS,
     GOODPUT_LABELS,

@@ -1,0 +1,95 @@
+"""What every plot of a run shares (report/plots.py draws the run's plots, plots_training.py the training
+metrics' and goodput's): the time axis, the stage shading, per-attempt curves coloured by stage/rung, legends."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from matplotlib.axes import Axes
+
+from stepdeploy.report.summary import RunData, stage_span
+
+STAGE_SHADES = ("#f2f2f2", "#e3ecf7")
+
+
+def plain(text: str) -> str:
+    """Ledger text drawn as typed: an even number of `$` would otherwise switch matplotlib to mathtext."""
+    return text.replace("$", r"\$")
+
+
+@dataclass(frozen=True)
+class TimeAxis:
+    origin: float
+    end: float
+    scale: float
+    label: str
+
+    @classmethod
+    def for_run(cls, data: RunData) -> TimeAxis:
+        end = data.last_seen
+        span = end - data.run["created"]
+        scale, unit = (1.0, "s") if span <= 180 else (60.0, "min") if span <= 3 * 3600 else (3600.0, "h")
+        return cls(data.run["created"], end, scale, f"time since run start ({unit})")
+
+    def __call__(self, ts: float) -> float:
+        return (ts - self.origin) / self.scale
+
+
+Drawer = Callable[[RunData, Axes, "TimeAxis"], bool]
+
+
+def shade_stages(data: RunData, ax: Axes, axis: TimeAxis) -> None:
+    for i, stage in enumerate(data.stages):
+        start, end = stage_span(data, stage)
+        if start is None or end is None:
+            continue
+        ax.axvspan(axis(start), axis(end), color=STAGE_SHADES[i % 2], zorder=0)
+        ax.annotate(plain(stage.name), (axis(start), 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(3, -11 - 10 * (i % 2)), textcoords="offset points", fontsize=8, color="#555555")
+
+
+def lowest_rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run-wide values (loss, tokens/s) come from rank 0; should several ranks report one, draw one line."""
+    lowest = min((r["rank"] for r in rows), default=0)
+    return [r for r in rows if r["rank"] == lowest]
+
+
+def legend(ax: Axes, **kwargs: Any) -> None:
+    """Outside the plot, on the right: it never hides a curve, and every plot keeps the same width."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), **kwargs)
+
+
+def _segment_colors(data: RunData) -> dict[tuple[str, str], Any]:
+    segments = list(dict.fromkeys(data.segment_of.values()))
+    palette = [f"C{i % 10}" for i in range(len(segments))]
+    return dict(zip(segments, palette, strict=True))
+
+
+def per_attempt(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    grouped: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        grouped[row["attempt_id"]].append(row)
+    return grouped
+
+
+def by_segment(data: RunData, ax: Axes, axis: TimeAxis, name: str, ylabel: str) -> bool:
+    rows = [r for r in data.metrics.get(name, []) if r["attempt_id"] in data.segment_of]
+    if not rows:
+        return False
+    shade_stages(data, ax, axis)
+    colors, labelled = _segment_colors(data), set()
+    marker = "." if len(rows) < 150 else None
+    for attempt_id, points in per_attempt(lowest_rank(rows)).items():
+        segment = data.segment_of[attempt_id]
+        label = None if segment in labelled else plain("/".join(segment))
+        labelled.add(segment)
+        ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color=colors[segment],
+                label=label, marker=marker, linewidth=1.3)
+    ax.set_ylabel(ylabel)
+    legend(ax)
+    return True
+
+
