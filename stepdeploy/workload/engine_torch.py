@@ -93,6 +93,15 @@ class Moe(nn.Module):
         moe, hidden = m["moe"], m["hidden_size"]
         self.topk, self.score = moe["topk"], moe["score_function"]
         self.router = nn.Linear(hidden, moe["num_experts"], bias=False)
+        # Load balancing as the catalog says (megatron-core's two schemes): an auxiliary loss, or an expert bias
+        # added to the scores for the choice only, nudged after every step towards the mean load.
+        self.balancing = moe.get("load_balancing", "aux_loss")
+        self.aux_coeff, self.bias_rate = moe.get("aux_loss_coeff", 1e-2), moe.get("bias_update_rate", 1e-3)
+        self.register_buffer("expert_bias", torch.zeros(moe["num_experts"]) if moe.get("router_expert_bias") or
+                             self.balancing == "expert_bias" else None)
+        # not a buffer: DDP would overwrite every rank's counts with rank 0's at each forward
+        self.tokens_per_expert = torch.zeros(moe["num_experts"])
+        self.aux: torch.Tensor | None = None  # this forward's auxiliary loss, added to the step's loss
         self.experts = nn.ModuleList(Mlp(hidden, moe["ffn_hidden_size"], m["gated_linear_unit"], False)
                                      for _ in range(moe["num_experts"]))
         shared = moe["shared_expert_ffn_hidden_size"]
@@ -104,10 +113,21 @@ class Moe(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         logits = self.router(flat)
         probs = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
-        weights, chosen = probs.topk(self.topk, dim=-1)
+        scores = probs if self.expert_bias is None else probs + self.expert_bias
+        chosen = scores.topk(self.topk, dim=-1).indices
+        weights = probs.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True)
+        counts = torch.bincount(chosen.flatten(), minlength=probs.shape[-1])
         if self.stats is not None:
-            self.stats.add(self.slot, torch.bincount(chosen.flatten(), minlength=probs.shape[-1]), flat.shape[0])
+            self.stats.add(self.slot, counts, flat.shape[0])
+        self.aux = None
+        if torch.is_grad_enabled():
+            self.tokens_per_expert += counts
+            if self.balancing == "aux_loss" and self.aux_coeff > 0:
+                # megatron-core's switch load-balancing loss: E x coeff / (T^2 k) x sum_i(probs_i x tokens_i)
+                tokens = flat.shape[0]
+                self.aux = (probs.sum(0) * counts).sum() * (probs.shape[-1] * self.aux_coeff
+                                                            / (tokens * tokens * self.topk))
         out = torch.zeros_like(flat)
         for index, expert in enumerate(self.experts):
             # An expert that gets no token still runs (on zero rows): its gradient is then zero, not
@@ -117,6 +137,17 @@ class Moe(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view_as(x)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """After the step: every rank's counts summed, the bias nudged by rate x sign(mean - load), counts
+        cleared (the aux-loss scheme keeps no bias: counts cleared only)."""
+        if self.expert_bias is not None and self.balancing == "expert_bias":
+            load = self.tokens_per_expert.clone()
+            if dist.is_initialized():
+                dist.all_reduce(load)
+            self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
 
 
 class Block(nn.Module):
@@ -163,6 +194,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     torch.manual_seed(train_cfg["seed"])
     model = Decoder(m)
     stats = watch_routers(model, m)
+    moes = [block.ffn for block in model.blocks if isinstance(block.ffn, Moe)]
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=train_cfg["lr"], weight_decay=0.01)
     files.phase("model")
@@ -185,11 +217,14 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
             tokens = source.micro_batch(iteration, micro)
             logits = ddp(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-            (loss / micro_batches).backward()
+            aux = sum((ffn.aux for ffn in moes if ffn.aux is not None), torch.zeros(()))
+            ((loss + aux) / micro_batches).backward()  # the LM loss is what is reported, as megatron does
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step = time.perf_counter() - began
+        for ffn in moes:
+            ffn.update_bias()
         extra = stats.reduce() if stats is not None else {}
         report(cfg, files, iteration, loss_sum / micro_batches, grad_norm, lr, step, world, extra)
         if iteration == start + 1:
