@@ -188,6 +188,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     micro_batches = gbs // (mbs * dp)
     overrides = config_overrides(rank, "STEPDEPLOY_MCORE_OVERRIDES")
     config = TransformerConfig(**(transformer_config_kwargs(cfg) | overrides))
+    resume_from = megatron_ckpt.skip_initialization(config, out_dir / "checkpoints", rank)
     trace = traces.MemoryTrace(out_dir, rank)
     model = build_model(cfg, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()).cuda()
     model = Float16Module(config, model)
@@ -236,7 +237,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     forward_backward = get_forward_backward_func()
     ckpt_dir, load_parts = out_dir / "checkpoints", {}
     loading = time.time()
-    start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank, load_parts)
+    start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank, load_parts, resume_from)
     files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
     saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), rank)
     for group in optimizer.param_groups:

@@ -169,20 +169,49 @@ def sharded_state(model: Any, optimizer: Any, is_loading: bool, metadata: dict[s
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
 
 
-def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[str, float] | None = None) -> int:
-    """Load the newest complete checkpoint (all ranks share ckpt_dir; rank 0 repairs it first): weights and
-    optimizer state, or fail loudly (a resume that silently drops the optimizer state is not a resume). 0 for a
-    fresh start. `parts`: filled with the seconds each part of the load took (where a restart's time goes)."""
-    from megatron.core import dist_checkpointing
-
-    clock = _PartClock(parts if parts is not None else {})
+def find(ckpt_dir: Path, rank: int) -> int:
+    """Every rank: the iteration a resume loads -- rank 0 repairs the store (all ranks share it), then the newest
+    complete checkpoint every rank sees (0: a fresh start)."""
     if rank == 0:
         for action in ckpt.repair(ckpt_dir):
             log(rank, f"checkpoints: {action}")
     dist.barrier()
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, ckpt.complete_iterations(ckpt_dir))
-    iteration = ckpt.newest_common(everyone)
+    return ckpt.newest_common(everyone)
+
+
+def skip_initialization(config: Any, ckpt_dir: Path, rank: int) -> int:
+    """Before the model is built: when a checkpoint will be loaded, the weights' random initialization is work the
+    load overwrites (megatron-core's perform_initialization=False, meant for this; every weight must then come from
+    the checkpoint, which the strict load_state_dict of resume() checks). Returns find()'s iteration."""
+    iteration = find(ckpt_dir, rank)
+    if iteration and initialization_skippable(config):
+        config.perform_initialization = False
+        log(rank, f"checkpoint {iteration} will be loaded: weights not initialized")
+    return iteration
+
+
+def initialization_skippable(config: Any) -> bool:
+    """megatron-core before 0.19 sets a tensor-parallel weight's attributes (tensor_model_parallel, partition_dim)
+    only in the initialization it skips; without them a TP (or expert-TP) rank other than 0 leaves its shards out
+    of the gradient norm. 0.19 sets them either way; with TP 1 and expert TP 1 nothing reads them."""
+    from megatron.core import package_info
+
+    version = tuple(int(part) for part in package_info.__version__.split(".")[:2])
+    whole = config.tensor_model_parallel_size == 1 and (config.expert_tensor_parallel_size or 1) == 1
+    return version >= (0, 19) or whole
+
+
+def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[str, float] | None = None,
+           iteration: int | None = None) -> int:
+    """Load the newest complete checkpoint (or `iteration`, find()'s answer): weights and optimizer state, or fail
+    loudly (a resume that silently drops the optimizer state is not a resume). 0 for a fresh start. `parts`:
+    filled with the seconds each part of the load took (where a restart's time goes)."""
+    from megatron.core import dist_checkpointing
+
+    clock = _PartClock(parts if parts is not None else {})
+    iteration = find(ckpt_dir, rank) if iteration is None else iteration
     clock.lap("find")
     if iteration == 0:
         return 0
@@ -194,7 +223,7 @@ def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[st
     clock.lap("state_dict")
     loaded = dist_checkpointing.load(state, str(where))
     clock.lap("read")
-    model.module.load_state_dict(loaded["model"])
+    model.module.load_state_dict(loaded["model"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     restore_adam_steps(optimizer, loaded["optimizer"])
     clock.lap("apply")

@@ -47,9 +47,14 @@ def main(model_name: str, workdir: Path) -> None:
     if "num_moe_experts" in kwargs:  # the alltoall dispatcher allocates a CUDA stream
         kwargs["moe_token_dispatcher_type"] = "allgather"
 
-    def build(seed: int) -> tuple[Any, Any]:
+    skipped: list[tuple[int, bool]] = []
+
+    def build(seed: int, resuming_from: Path | None = None) -> tuple[Any, Any]:
         torch.manual_seed(seed)
         config = TransformerConfig(**kwargs)
+        if resuming_from is not None:  # as the engine: no random initialization when a checkpoint will be loaded
+            skipped.append((megatron_ckpt.skip_initialization(config, resuming_from, 0),
+                            not config.perform_initialization))
         model = Float16Module(config, em.build_model(cfg, config))
         # the engine's DDP config (overlapped param gather), with buckets small enough that the model has several
         ddp = DistributedDataParallelConfig(**(em.ddp_config_kwargs(cfg) | {"bucket_size": 20_000}))
@@ -92,10 +97,10 @@ def main(model_name: str, workdir: Path) -> None:
     phases = [json.loads(line) for line in (workdir / "out" / "phases.jsonl").read_text().splitlines()]
     checkpoint_files = sorted(p.name for p in (ckpt_dir / "iter_0000002").iterdir())
 
-    model2, optimizer2 = build(7)
+    model2, optimizer2 = build(7, ckpt_dir)
     differs_before = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
     load_parts: dict[str, float] = {}
-    resumed = megatron_ckpt.resume(model2, optimizer2, ckpt_dir, 0, load_parts)
+    resumed = megatron_ckpt.resume(model2, optimizer2, ckpt_dir, 0, load_parts, skipped[0][0])
     states = adam_states(optimizer2)
     main = main_params(optimizer2)
     params_differing = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
@@ -123,7 +128,7 @@ def main(model_name: str, workdir: Path) -> None:
     saver.poll(blocking=True)
     print(json.dumps({
         "in_flight_after_save": in_flight, "phases": phases, "checkpoint_files": checkpoint_files,
-        "load_parts": load_parts, "before_second_commit": both_before_commit,
+        "load_parts": load_parts, "initialization_skipped": skipped, "before_second_commit": both_before_commit,
         "after_second_commit": sorted(p.name for p in ckpt_dir.iterdir()),
         "eager_gather_groups": len(gather.groups),
         "eager_first_group_has_embedding": any(q is embedding for b in gather.groups[0].buckets for q in b.params_list),

@@ -30,6 +30,8 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
     assert save["phase"] == "save" and save["background"] is True and save["iteration"] == 2
     assert committed["phase"] == "save_committed" and committed["iteration"] == 2 and committed["time"] > save["time"]
     assert "complete" in result["checkpoint_files"] and "stepdeploy.json" in result["checkpoint_files"]
+    # the resumed model was built without random initialization (the checkpoint's load fills every weight)
+    assert result["initialization_skipped"] == [[2, True]]
     assert set(result["load_parts"]) == {"find", "optimizer_state", "state_dict", "read", "apply"}
     # retention 1: 2 stays until 4 is committed, then goes
     assert result["before_second_commit"] == ["iter_0000002", "latest"]
