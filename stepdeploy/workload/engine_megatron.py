@@ -293,7 +293,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         if t["save_interval"] and iteration % t["save_interval"] == 0:
             saver.save(model, optimizer, iteration)
             began = time.perf_counter()  # a save is not the next step's time
-    saver.poll(blocking=True)
+    saver.finish(t["iterations"])
     trace.mark("end")
     ps.destroy_model_parallel()
     return 0

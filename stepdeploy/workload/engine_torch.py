@@ -199,7 +199,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         saver.poll()
         if should_save(iteration, train_cfg):
             saver.save(model, optimizer, iteration)
-    saver.poll(blocking=True)
+    saver.finish(train_cfg["iterations"])
     return 0
 
 
@@ -293,6 +293,12 @@ class Saver:
                         "staging": staging, "outcome": outcome}
         self.files.phase("save", ended, iteration=iteration, began=began, blocking_s=round(ended - began, 4),
                          background=True)
+
+    def finish(self, iteration: int) -> None:
+        """The end of training: wait for the save in flight and commit it (the heartbeat says "saving")."""
+        if self.pending is not None:
+            with self.files.saving(iteration):
+                self.poll(blocking=True)
 
     def poll(self, blocking: bool = False) -> None:
         """Every rank: commit the save in flight once every node's write is done (blocking: wait for it)."""

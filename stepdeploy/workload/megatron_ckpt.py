@@ -91,6 +91,12 @@ class Saver:
         self._commit(self.pending, polled)
         return True
 
+    def finish(self, iteration: int) -> None:
+        """The end of training: wait for the save in flight and commit it (the heartbeat says "saving")."""
+        if self.pending is not None:
+            with self.files.saving(iteration):
+                self.poll(blocking=True)
+
     def abort(self) -> None:
         """A stop or a failure: end the write in flight without committing it (what it left is not sealed)."""
         if self.queue is not None:

@@ -125,7 +125,7 @@ def main(model_name: str, workdir: Path) -> None:
     saver.keep = 1
     saver.save(model, optimizer, 4)
     both_before_commit = sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("."))
-    saver.poll(blocking=True)
+    saver.finish(4)  # the end of training
     print(json.dumps({
         "in_flight_after_save": in_flight, "phases": phases, "checkpoint_files": checkpoint_files,
         "load_parts": load_parts, "initialization_skipped": skipped, "before_second_commit": both_before_commit,
