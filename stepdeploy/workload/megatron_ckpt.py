@@ -182,8 +182,12 @@ def find(ckpt_dir: Path, rank: int) -> int:
         for action in ckpt.repair(ckpt_dir):
             log(rank, f"checkpoints: {action}")
     dist.barrier()
+    mine = ckpt.complete_iterations(ckpt_dir)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, ckpt.complete_iterations(ckpt_dir))
+    dist.all_gather_object(everyone, mine)
+    if mine != everyone[0]:
+        log(rank, f"checkpoints: this rank sees {mine or 'none'} in {ckpt_dir}, rank 0 sees {everyone[0] or 'none'}: "
+                  "the megatron engine needs a checkpoint directory every rank shares")
     return ckpt.newest_common(everyone)
 
 
