@@ -54,6 +54,8 @@ def slow(obj, path, *args, **kwargs):
     with open(os.environ["SLOW_LOG"], "a") as log:
         log.write(f"{path} {time.time()}\\n")
     time.sleep(float(os.environ["SLOW_S"]))
+    if os.environ.get("FULL_AT") and f"iter_{int(os.environ['FULL_AT']):07d}" in str(path):
+        raise OSError(28, "No space left on device")
     return real(obj, path, *args, **kwargs)
 torch.save = slow
 import train
@@ -61,12 +63,14 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def start(cfg: Path, out: Path, *extra: str, slow_s: float | None = None) -> subprocess.Popen[str]:
+def start(cfg: Path, out: Path, *extra: str, slow_s: float | None = None, full_at: int | None = None
+          ) -> subprocess.Popen[str]:
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_port()), "OMP_NUM_THREADS": "1", "STEPDEPLOY_NODE_NAME": "here"}
     program = [str(TRAIN)]
     if slow_s is not None:
-        env |= {"WORKLOAD": str(TRAIN.parent), "SLOW_LOG": str(out.parent / "slow.log"), "SLOW_S": str(slow_s)}
+        env |= {"WORKLOAD": str(TRAIN.parent), "SLOW_LOG": str(out.parent / "slow.log"), "SLOW_S": str(slow_s),
+                "FULL_AT": str(full_at or "")}
         program = ["-c", SLOW_DISK]
     return subprocess.Popen([sys.executable, *program, "--config", str(cfg), "--out-dir", str(out), *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -193,6 +197,16 @@ def test_sigterm_during_a_later_background_write_keeps_the_committed_one(tmp_pat
     code, output = finish(start(cfg, out, "--iterations", str(latest + 1)))
     assert code == 0 and "checkpoints: removed .iter_" in output, output
     assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_fails_the_rank_with_the_reason_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    cfg, out = config(tmp_path, iterations=9, save_interval=3), tmp_path / "out"
+    code, output = finish(start(cfg, out, slow_s=0.0, full_at=6))
+    assert code == 1, output
+    status = json.loads((out / "status/rank0.json").read_text())
+    assert status["state"] == "exited" and "No space left on device" in status["reason"], status
+    assert "No space left on device" in output
+    assert ckpt.latest_iteration(out / "checkpoints") == 3 and (out / "checkpoints/latest").read_text() == "3\n"
 
 
 def test_bad_configuration_exits_2_and_says_so(tmp_path: Path) -> None:
