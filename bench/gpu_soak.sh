@@ -5,7 +5,7 @@
 # loss trend, gradient norms and expert load -- then the dense proxy's soak with a rank killed after its first
 # checkpoint (restart cost, goodput). Ledgers, fetched files (not checkpoints) and reports land in $OUT.
 #
-#   OUT=/tmp/out [ROLLOUTS=dense] bash bench/gpu_soak.sh .debs .whl      # the device machine's $OUT
+#   OUT=/tmp/out [ROLLOUTS=dense|moe|saves] bash bench/gpu_soak.sh .debs .whl      # the device machine's $OUT
 set -uo pipefail
 debs=$1 wheels=$2
 out=${OUT:?set OUT}
@@ -36,6 +36,11 @@ for name in ${ROLLOUTS:-moe dense}; do
                  --soak-duration 150s --checkpoint-interval 100000 --data /tmp/corpus ;;
         dense) rollout dense 200 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \
                    --soak-duration 100s --checkpoint-interval 30 --inject kill:rank=last@65s ;;
+        # issue 21: the stall per asynchronous save (phases.jsonl: save.blocking_s, save_committed.background_s),
+        # retention 2 and a kill between saves, in the few minutes one device call allows
+        saves) rollout saves 480 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \
+                   --soak-duration 240s --checkpoint-interval 40 --keep-checkpoints 2 --heartbeat-timeout 60s \
+                   --inject kill:rank=last@150s ;;
     esac
     tail -n 3 "$out/$name.log"
 done

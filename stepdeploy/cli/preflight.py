@@ -26,7 +26,12 @@ def preflight(
     timeout: float = finite_option(60.0, "--timeout", min=1, max=86400,
                                    help="Seconds a node may take to answer the probe."),
     checkpoint_dir: str = typer.Option("/", "--checkpoint-dir", help="Where checkpoints go (free-disk check)."),
-    min_free_gib: float = finite_option(50.0, "--min-free-gib", min=0, help="Free space needed there."),
+    min_free_gib: float = finite_option(50.0, "--min-free-gib", min=0, help="Free space needed there (at least; "
+                                        "with --model, more when the checkpoints need more)."),
+    model: str | None = typer.Option(None, "--model", "-m", help="The catalog model the run trains: the disk check "
+                                     "asks for room for --keep-checkpoints of its checkpoints plus one in flight."),
+    keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", min=1, help="With --model: committed "
+                                         "checkpoints the run keeps (as `rollout run --keep-checkpoints`)."),
     python: str | None = typer.Option(None, "--python", help="The training environment's python on the nodes "
                                                              "(default: /opt/stepdeploy/venv/bin/python, python3)."),
     insecure: bool = insecure_option(),
@@ -44,7 +49,8 @@ def preflight(
     _check_sizes(sizes)
     nodes, declared = _nodes(inventory, local, limit, insecure)
     chosen = get_profile(profile) if profile else declared
-    opts = runner.Options(local=local, checkpoint_dir=checkpoint_dir, min_free_gib=min_free_gib,
+    need_gib, disk_why = checkpoint_space(model, nodes, keep_checkpoints, min_free_gib)
+    opts = runner.Options(local=local, checkpoint_dir=checkpoint_dir, min_free_gib=need_gib, disk_why=disk_why,
                           timeout_s=timeout, bandwidth=bandwidth, sizes=sizes, iters=iters,
                           python=python or (sys.executable if local else None))
     result = runner.run(nodes, chosen, opts, progress=info)
@@ -53,6 +59,23 @@ def preflight(
     else:
         view.render(result, out)
     raise typer.Exit(result.exit_code)
+
+
+def checkpoint_space(model: str | None, nodes: list, keep: int, floor_gib: float) -> tuple[float, str | None]:
+    """(GiB a node needs free, why): room for `keep` committed checkpoints of `model` plus the one being written
+    (the planner's checkpoint size per node, plan/checkpoint.py), at least `floor_gib`. Pure."""
+    if model is None:
+        return floor_gib, None
+    from stepdeploy.catalog import load_model
+    from stepdeploy.plan import checkpoint
+    from stepdeploy.plan.params import count_parameters
+
+    params = count_parameters(load_model(model)).total
+    per_node = checkpoint.checkpoint_bytes_per_node(params, nodes[0].gpus_per_node or 0, len(nodes)) / 1024**3
+    need = per_node * (keep + 1)
+    why = (f"{keep} kept + 1 in flight checkpoints of {model}, {per_node:.3g} GiB each per node by the planner"
+           + ("" if need >= floor_gib else f"; --min-free-gib {floor_gib:g} is more"))
+    return max(need, floor_gib), why
 
 
 # what nccl_bench.parse_size reads, at most 16 sizes of at most 8 GiB (each is one tensor on every GPU)

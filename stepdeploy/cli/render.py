@@ -32,6 +32,8 @@ def render(
     nproc: int | None = typer.Option(None, "--nproc-per-node", min=1, help="Ranks per node (default: GPUs)."),
     pg_timeout: int = typer.Option(120, "--pg-timeout", min=1, help="Process-group timeout, seconds."),
     save_interval: int = typer.Option(0, "--save-interval", min=0, help="Checkpoint every N steps (0: at end)."),
+    keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", min=1, help="Committed checkpoints kept (the "
+                                         "newest K; older ones are deleted once a newer one is committed)."),
     lr: float | None = finite_option(None, "--lr", help="Peak learning rate (default: the model's, else 3e-3)."),
     seed_option: list[str] = typer.Option([], "--seed-option", help=f"{', '.join(SEED_OPTIONS)}."),
     env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE for every rank (quoted when rendered)."),
@@ -51,6 +53,7 @@ def render(
         run_id=run_id or f"{model}-{stage}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
         stage=stage, engine=engine, iterations=iterations, seq_length=seq, global_batch_size=gbs,
         nproc_per_node=nproc, pg_timeout_s=pg_timeout, save_interval=save_interval, lr=lr,
+        keep_checkpoints=keep_checkpoints,
         seed_options=tuple(seed_option), extra_env=parse_env(env), disable_nvls=no_nvls,
         remote_dir=remote_dir, python=python, data=str(data) if data else None)
     if not dry_run:

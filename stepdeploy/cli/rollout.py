@@ -66,6 +66,8 @@ def run_cmd(
     mtbf: str | None = typer.Option(None, "--mtbf", help="With --checkpoint-interval auto: the job's mean time "
                                     "between failures, e.g. 6h (default: Llama 3's failure rate per GPU x the "
                                     "cluster's GPUs)."),
+    keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", min=1, help="Committed checkpoints kept on "
+                                         "the nodes (the newest K); preflight's disk check counts K + 1."),
     warmup_iterations: int = typer.Option(10, "--warmup-iterations", min=1),
     scale_iterations: int = typer.Option(30, "--scale-iterations", min=2),
     layout: str | None = typer.Option(None, "--layout", help="Target layout (default: the planner's best)."),
@@ -97,8 +99,8 @@ def run_cmd(
                            layout=layout, warmup_iterations=warmup_iterations, scale_iterations=scale_iterations,
                            soak_duration_s=parse_duration(soak_duration),
                            checkpoint_interval=parse_checkpoint_interval(checkpoint_interval), mtbf_s=parse_mtbf(mtbf),
-                           pg_timeout_s=pg_timeout, seq_length=seq, global_batch_size=gbs,
-                           executor=executor, inject=tuple(inject),
+                           keep_checkpoints=keep_checkpoints, pg_timeout_s=pg_timeout, seq_length=seq,
+                           global_batch_size=gbs, executor=executor, inject=tuple(inject),
                            heartbeat_timeout_s=parse_duration(heartbeat_timeout),
                            monitor_interval_s=parse_duration(monitor_interval), soak_max_restarts=max_restarts,
                            data=str(data.resolve()) if data else None,
@@ -368,6 +370,7 @@ def _print_plan(config: RolloutConfig, cluster: Cluster) -> None:
     if "soak" in config.stages:
         plan["soak"] = {**target_rung(cluster, config.model).as_dict(), "duration_s": config.soak_duration_s,
                         "checkpoint_interval": config.checkpoint_interval, "max_restarts": config.soak_max_restarts,
+                        "keep_checkpoints": config.keep_checkpoints,
                         "heartbeat_timeout_s": config.heartbeat_timeout_s,
                         "monitor_interval_s": config.monitor_interval_s,
                         "gates": ["no_unrecovered_failure", "loss_finite", *_training_gates(config.model)],

@@ -27,6 +27,7 @@ class Expect:
     min_free_gib: float = 50.0
     min_shm_gib: float = 1.0
     checkpoint_dir: str = "/"
+    disk_why: str | None = None  # where min_free_gib comes from
     extra: dict = field(default_factory=dict)
 
 
@@ -188,20 +189,22 @@ def check_shm(section: Section, min_gib: float) -> Result:
     return ok("shm", f"{gib:.1f} GiB free", f">= {min_gib:g} GiB")
 
 
-def check_disk(section: Section, min_gib: float, checkpoint_dir: str) -> Result:
+def check_disk(section: Section, min_gib: float, checkpoint_dir: str, why: str | None = None) -> Result:
+    """`why`: where min_gib comes from (the checkpoints the run keeps, sized by the planner)."""
     lines = section.text.splitlines()
     parsed = df_available_bytes(section.text) if section.ok else None
+    expected = f">= {min_gib:.4g} GiB free" + (f" ({why})" if why else "")
     if parsed is None:
-        return fail("disk", section.text.strip()[-200:] or f"exit {section.rc}", f">= {min_gib:g} GiB free",
+        return fail("disk", section.text.strip()[-200:] or f"exit {section.rc}", expected,
                     f"create {checkpoint_dir} on a local or shared filesystem")
     where = lines[0] if lines else checkpoint_dir
     gib = parsed[1] / GIB
     observed = f"{gib:.1f} GiB free at {where}" + (f" (for {checkpoint_dir})" if where != checkpoint_dir else "")
     if gib < min_gib:
-        return fail("disk", observed, f">= {min_gib:g} GiB free",
-                    "free space or point --checkpoint-dir at a larger filesystem: a save that runs out of space "
-                    "loses the step")
-    return ok("disk", observed, f">= {min_gib:g} GiB free")
+        return fail("disk", observed, expected,
+                    "free space, keep fewer checkpoints (--keep-checkpoints) or point --checkpoint-dir at a larger "
+                    "filesystem: a save that runs out of space loses the step")
+    return ok("disk", observed, expected)
 
 
 @dataclass(frozen=True)

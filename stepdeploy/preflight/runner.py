@@ -28,6 +28,7 @@ class Options:
     local: bool = False
     checkpoint_dir: str = "/"
     min_free_gib: float = 50.0
+    disk_why: str | None = None  # where min_free_gib comes from (the checkpoints a run keeps: cli/preflight.py)
     min_shm_gib: float = 1.0
     timeout_s: float = 60.0
     clock_bound_s: float = cluster.CLOCK_SKEW_BOUND_S
@@ -53,7 +54,7 @@ def expect_for(node: Node, profile: StackProfile | None, opts: Options) -> host.
     return host.Expect(gpus=node.gpus_per_node, gpu_model=node.gpu_model, arch=node.arch, fabric=node.fabric,
                        train_iface=node.train_iface, ib_hcas=tuple(node.ib_hcas), profile=profile,
                        min_free_gib=opts.min_free_gib, min_shm_gib=opts.min_shm_gib,
-                       checkpoint_dir=opts.checkpoint_dir)
+                       checkpoint_dir=opts.checkpoint_dir, disk_why=opts.disk_why)
 
 
 def node_results(out: NodeOutput, exp: host.Expect, hardware: Hardware) -> list[Result]:
@@ -85,7 +86,7 @@ def node_results(out: NodeOutput, exp: host.Expect, hardware: Hardware) -> list[
         host.check_iface(s("iface"), exp),
         host.check_memlock(s("memlock"), exp.fabric),
         host.check_shm(s("shm"), exp.min_shm_gib),
-        host.check_disk(s("disk"), exp.min_free_gib, exp.checkpoint_dir),
+        host.check_disk(s("disk"), exp.min_free_gib, exp.checkpoint_dir, exp.disk_why),
     ]
     return [r.on(out.node) for r in results]
 

@@ -63,6 +63,7 @@ class RenderOptions:
     pg_timeout_s: int = 120
     heartbeat_timeout_s: int = 480
     save_interval: int = 0  # 0: a checkpoint only at the end
+    keep_checkpoints: int = 2  # retention: the newest K committed checkpoints stay (workload/ckpt.py)
     lr: float | None = None  # None: the model's catalog lr, else DEFAULT_LR
     seed: int = 1234
     disable_nvls: bool = False
@@ -98,6 +99,9 @@ class RenderOptions:
         if bad_keys:
             raise BadInput(f"--env {bad_keys[0]!r} is not an environment variable name; use KEY=VALUE "
                            "with KEY made of letters, digits and '_'")
+        if self.keep_checkpoints < 1:
+            raise BadInput(f"--keep-checkpoints {self.keep_checkpoints}: at least 1 (the checkpoint a restart "
+                           "resumes from)")
         if not 1 <= self.pg_timeout_s <= 86400:
             raise BadInput(f"process-group timeout {self.pg_timeout_s} s is out of range 1-86400")
         if not self.remote_dir.startswith("/"):

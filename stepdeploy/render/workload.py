@@ -107,6 +107,7 @@ def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, eng
             "decay_iterations": opts.decay_iterations or opts.effective_iterations,
             "seed": opts.seed,
             "save_interval": opts.save_interval,
+            "keep_checkpoints": opts.keep_checkpoints,
         },
         "world_size": world,
         "pg_timeout_s": opts.effective_pg_timeout_s,

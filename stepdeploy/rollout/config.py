@@ -35,6 +35,7 @@ class RolloutConfig:
     scale_iterations: int = 30
     soak_duration_s: float = 72 * 3600.0
     checkpoint_interval: int | Literal["auto"] = 20  # soak: iterations between saves, or AUTO (checkpoint_interval.py)
+    keep_checkpoints: int = 2  # the newest K committed checkpoints stay on the nodes (retention)
     mtbf_s: float | None = None  # soak, auto interval: the job's mean time between failures; None: Llama 3's rate
     soak_max_restarts: int = 3
     attempt_timeout_s: float = 1800.0

@@ -176,6 +176,7 @@ class Rollout:
         return RenderOptions(run_id=run_id, stage=stage, iterations=iterations, nproc_per_node=rung.nproc_per_node,
                              pg_timeout_s=self.config.pg_timeout_s, seq_length=self.config.seq_length,
                              global_batch_size=self.config.global_batch_size, save_interval=save_interval,
+                             keep_checkpoints=self.config.keep_checkpoints,
                              executor=self.config.executor,  # None: the inventory's stepdeploy_executor
                              data=self.config.data, warmup_iterations=warmup, decay_iterations=decay)
 

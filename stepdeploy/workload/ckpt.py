@@ -1,19 +1,42 @@
-"""Checkpoint and small-file protocol shared by both engines (standard library + torch only; shipped as a file).
+"""Checkpoint and small-file protocol shared by both engines (standard library only; shipped as a file).
 
-A checkpoint is complete or absent, never half: it is written under a temporary name, flushed, renamed into
-place, and only then is the `latest` marker (itself written to a temporary file and renamed) pointed at it
--- the order Megatron uses with latest_checkpointed_iteration.txt.
+A checkpoint directory `iter_NNNNNNN` is complete or it is not a checkpoint:
+
+    write   into a staging directory `.iter_N.tmp-<token>` (the token: one per process start, so a writer left
+            over from a killed start never writes into a later start's staging directory)
+    seal    fsync every file, then write the completion marker `complete` (fsync'd) last, then fsync the directory
+            -- only after every rank's part is written: the engine decides when (its all-ranks check)
+    commit  rename an existing `iter_N` aside (a re-save of an iteration; never deleted first), rename the sealed
+            staging directory into place, point `latest` at it (a temporary file renamed), then delete the old
+            copy, then retention: the newest K complete checkpoints up to N stay (none newer than N: those belong
+            to a timeline the run went back from)
+    repair  on resume, before anything reads: a sealed staging directory whose commit was cut short is rolled
+            forward, a re-save's aside copy is put back when the new one never arrived, everything else half-made
+            (unsealed staging, asides, deletions, `.latest.tmp-*`) is removed, and `latest` is made to name the
+            newest complete checkpoint.
+
+`latest` only ever names a complete checkpoint; readers still verify the marker (latest_iteration), and take the
+newest complete one when `latest` is missing or wrong. Renames of whole directories and the marker make every
+step atomic: a kill at any instant leaves the previous checkpoint or the new one, both whole.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 LATEST = "latest"
+COMPLETE = "complete"  # the completion marker, written last inside a checkpoint directory
+_FINAL = re.compile(r"iter_(\d{7,})")
+_STAGED = re.compile(r"\.iter_(\d{7,})\.tmp(?:-.*)?")
+_ASIDE = re.compile(r"\.iter_(\d{7,})\.old-.*")  # a committed copy moved aside by a re-save of its iteration
+_DOOMED = re.compile(r"\.iter_(\d{7,})\.del-.*|\.latest\.tmp-.*")
 
 
 def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
@@ -37,34 +60,190 @@ def iteration_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def latest_iteration(ckpt_dir: Path) -> int | None:
-    """The iteration the `latest` marker names, if that checkpoint exists; None for a fresh start."""
+def new_token() -> str:
+    """A staging-directory token for this process start."""
+    return f"{int(time.time())}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def is_complete(path: Path, iteration: int) -> bool:
+    """`path` holds checkpoint `iteration` whole: its marker is there and names that iteration."""
     try:
-        iteration = int((ckpt_dir / LATEST).read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-    return iteration if (ckpt_dir / iteration_name(iteration)).exists() else None
+        marker = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("iteration") == iteration
 
 
-def staging_dir(ckpt_dir: Path, iteration: int) -> Path:
-    """An empty directory to write checkpoint `iteration` into before commit()."""
-    tmp = ckpt_dir / f".{iteration_name(iteration)}.tmp"
+def complete_iterations(ckpt_dir: Path) -> list[int]:
+    """The iterations of every complete checkpoint in ckpt_dir, oldest first."""
+    found = []
+    for path in _entries(ckpt_dir):
+        match = _FINAL.fullmatch(path.name)
+        if match and is_complete(path, int(match.group(1))):
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def latest_iteration(ckpt_dir: Path) -> int | None:
+    """The iteration `latest` names when that checkpoint is complete, else the newest complete one; None: a fresh
+    start (no complete checkpoint)."""
+    try:
+        named = int((ckpt_dir / LATEST).read_text().strip())
+    except (OSError, ValueError):
+        named = None
+    if named is not None and is_complete(ckpt_dir / iteration_name(named), named):
+        return named
+    complete = complete_iterations(ckpt_dir)
+    return complete[-1] if complete else None
+
+
+def staging_dir(ckpt_dir: Path, iteration: int, token: str = "") -> Path:
+    """An empty directory to write checkpoint `iteration` into before seal() and commit()."""
+    tmp = staging_path(ckpt_dir, iteration, token)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
 
 
-def commit(ckpt_dir: Path, iteration: int) -> Path:
-    """Rename the staged checkpoint into place, then point `latest` at it."""
-    tmp, final = ckpt_dir / f".{iteration_name(iteration)}.tmp", ckpt_dir / iteration_name(iteration)
-    _fsync_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+def staging_path(ckpt_dir: Path, iteration: int, token: str = "") -> Path:
+    return ckpt_dir / f".{iteration_name(iteration)}.tmp{'-' + token if token else ''}"
+
+
+def seal(staging: Path, iteration: int) -> None:
+    """Make the staged checkpoint durable, then mark it complete (the marker last, then the directory entry)."""
+    _fsync_tree(staging)
+    atomic_write_json(staging / COMPLETE, {"iteration": iteration, "sealed": time.time()})
+    _fsync_dir(staging)
+
+
+def commit(ckpt_dir: Path, iteration: int, staging: Path | None = None, keep: int | None = None) -> Path:
+    """Put the sealed checkpoint in `staging` in place as iter_N and point `latest` at it; then drop the copy it
+    replaced and, with `keep`, all but the newest `keep` complete checkpoints up to N."""
+    staging = staging or staging_path(ckpt_dir, iteration)
+    if not is_complete(staging, iteration):
+        raise RuntimeError(f"{staging}: not sealed, refusing to commit checkpoint {iteration}")
+    final = ckpt_dir / iteration_name(iteration)
+    aside = None
+    if final.exists():  # a re-save: the old copy stays whole until the new one is in place
+        aside = ckpt_dir / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, aside)
+    os.replace(staging, final)
     _fsync_dir(ckpt_dir)
     atomic_write_text(ckpt_dir / LATEST, f"{iteration}\n")
     _fsync_dir(ckpt_dir)
+    if aside is not None:
+        _remove(aside)
+    if keep is not None:
+        prune(ckpt_dir, keep, iteration)
     return final
+
+
+def prune(ckpt_dir: Path, keep: int, committed: int) -> list[int]:
+    """Retention after committing `committed`: the newest `keep` complete checkpoints up to it stay; older ones
+    and any newer one (left from before the run went back to an older checkpoint) go. Returns those removed."""
+    if keep < 1:
+        raise ValueError(f"keep {keep}: at least the committed checkpoint must stay")
+    complete = complete_iterations(ckpt_dir)
+    kept = [i for i in complete if i <= committed][-keep:]
+    doomed = [i for i in complete if i not in kept]
+    for iteration in doomed:
+        _discard(ckpt_dir / iteration_name(iteration))
+    return doomed
+
+
+def repair(ckpt_dir: Path) -> list[str]:
+    """Before a resume reads ckpt_dir (one process per directory): finish or undo what a kill cut short, remove
+    stale temporaries, and make `latest` name the newest complete checkpoint. Returns what it did (for the log)."""
+    if not ckpt_dir.is_dir():
+        return []
+    done: list[str] = []
+    for path in _entries(ckpt_dir):
+        staged = _STAGED.fullmatch(path.name)
+        if not staged:
+            continue
+        iteration = int(staged.group(1))
+        final = ckpt_dir / iteration_name(iteration)
+        if is_complete(path, iteration) and not is_complete(final, iteration):
+            if final.exists():
+                _discard(final)
+            os.replace(path, final)
+            done.append(f"rolled sealed {path.name} forward to {final.name}")
+        else:
+            _remove(path)
+            done.append(f"removed {path.name}")
+    for path in _entries(ckpt_dir):
+        aside = _ASIDE.fullmatch(path.name)
+        if not aside:
+            continue
+        iteration = int(aside.group(1))
+        final = ckpt_dir / iteration_name(iteration)
+        if not is_complete(final, iteration) and is_complete(path, iteration):
+            if final.exists():
+                _discard(final)
+            os.replace(path, final)
+            done.append(f"put {path.name} back as {final.name}")
+        else:
+            _remove(path)
+            done.append(f"removed {path.name}")
+    for path in _entries(ckpt_dir):
+        if _DOOMED.fullmatch(path.name):
+            _remove(path)
+            done.append(f"removed {path.name}")
+    done += _repair_latest(ckpt_dir)
+    if done:
+        _fsync_dir(ckpt_dir)
+    return done
+
+
+def _repair_latest(ckpt_dir: Path) -> list[str]:
+    try:
+        named: int | None = int((ckpt_dir / LATEST).read_text().strip())
+    except (OSError, ValueError):
+        named = None
+    if named is not None and is_complete(ckpt_dir / iteration_name(named), named):
+        return []
+    complete = complete_iterations(ckpt_dir)
+    if complete:
+        atomic_write_text(ckpt_dir / LATEST, f"{complete[-1]}\n")
+        return [f"latest named {named}, now {complete[-1]} (the newest complete checkpoint)"]
+    if (ckpt_dir / LATEST).exists():
+        (ckpt_dir / LATEST).unlink()
+        return [f"latest named {named}, removed (no complete checkpoint)"]
+    return []
+
+
+def newest_common(iterations_per_rank: list[list[int]]) -> int:
+    """The newest iteration every rank has complete (0: none, a fresh start). Nodes' stores differ by at most the
+    save in flight when they were stopped; with each node's `latest` alone, the oldest of them (what this
+    replaces) names the same iteration whenever every node still holds it."""
+    common = set(iterations_per_rank[0]) if iterations_per_rank else set()
+    for iterations in iterations_per_rank[1:]:
+        common &= set(iterations)
+    return max(common, default=0)
+
+
+def _entries(ckpt_dir: Path) -> list[Path]:
+    try:
+        return sorted(ckpt_dir.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+def _discard(path: Path) -> None:
+    """Take a checkpoint directory out of sight in one rename, then delete it (a kill midway leaves a `.del-`
+    directory that repair removes, never a half-deleted iter_N)."""
+    doomed = path.with_name(f".{path.name}.del-{uuid.uuid4().hex[:8]}")
+    os.replace(path, doomed)
+    _remove(doomed)
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory (or file), its completion marker first: a deletion cut short is never complete."""
+    if path.is_dir():
+        (path / COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -72,6 +251,8 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+    for path in [p for p in root.rglob("*") if p.is_dir()]:
+        _fsync_dir(path)
     _fsync_dir(root)
 
 

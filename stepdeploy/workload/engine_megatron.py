@@ -188,6 +188,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     micro_batches = gbs // (mbs * dp)
     overrides = config_overrides(rank, "STEPDEPLOY_MCORE_OVERRIDES")
     config = TransformerConfig(**(transformer_config_kwargs(cfg) | overrides))
+    resume_from = megatron_ckpt.skip_initialization(config, out_dir / "checkpoints", rank)
     trace = traces.MemoryTrace(out_dir, rank)
     model = build_model(cfg, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()).cuda()
     model = Float16Module(config, model)
@@ -234,10 +235,11 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         return output, loss_func
 
     forward_backward = get_forward_backward_func()
-    ckpt_dir = out_dir / "checkpoints"
+    ckpt_dir, load_parts = out_dir / "checkpoints", {}
     loading = time.time()
-    start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank)
-    files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3))
+    start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank, load_parts, resume_from)
+    files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
+    saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), rank)
     for group in optimizer.param_groups:
         # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
         group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
@@ -286,11 +288,12 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         if iteration == start + 1:
             files.phase("first_step", iteration=iteration, step_s=round(step, 4))
         began = time.perf_counter() if profiled else ended  # not the profiler's write-out either
+        if saver.poll():  # a save in flight ended everywhere and was committed
+            began = time.perf_counter()  # its finalize is the checkpoint's time (save_committed), not a step's
         if t["save_interval"] and iteration % t["save_interval"] == 0:
-            saving = time.time()
-            megatron_ckpt.save(model, optimizer, ckpt_dir, iteration, rank)
-            files.phase("save", iteration=iteration, began=saving)
+            saver.save(model, optimizer, iteration)
             began = time.perf_counter()  # a save is not the next step's time
+    saver.finish(t["iterations"])
     trace.mark("end")
     ps.destroy_model_parallel()
     return 0

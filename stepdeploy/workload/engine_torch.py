@@ -9,7 +9,9 @@ so a resumed run sees the same data it would have seen.
 
 from __future__ import annotations
 
+import copy
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -198,9 +200,9 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=train_cfg["lr"], weight_decay=0.01)
     files.phase("model")
-    ckpt_dir = out_dir / "checkpoints"
+    saver = Saver(out_dir / "checkpoints", files, train_cfg.get("keep_checkpoints", 2), writes=local_rank == 0)
     loading = time.time()
-    start = resume(model, optimizer, ckpt_dir, rank)
+    start = saver.resume(model, optimizer)
     files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3))
     source = data.source_for(cfg, rank, micro_batches, "cpu", megatron=False)
     params = sum(p.numel() for p in model.parameters())
@@ -229,11 +231,10 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         report(cfg, files, iteration, loss_sum / micro_batches, grad_norm, lr, step, world, extra)
         if iteration == start + 1:
             files.phase("first_step", iteration=iteration, step_s=round(step, 4))
-        if should_save(iteration, train_cfg) and local_rank == 0:
-            saving = time.time()
-            save(model, optimizer, ckpt_dir, iteration)
-            files.phase("save", iteration=iteration, began=saving)
-            log(rank, f"checkpoint {iteration} committed")
+        saver.poll()
+        if should_save(iteration, train_cfg):
+            saver.save(model, optimizer, iteration)
+    saver.finish(train_cfg["iterations"])
     return 0
 
 
@@ -275,22 +276,97 @@ def should_save(iteration: int, train_cfg: dict[str, Any]) -> bool:
     return iteration == train_cfg["iterations"] or bool(interval and iteration % interval == 0)
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: Path, iteration: int) -> None:
-    staging = ckpt.staging_dir(ckpt_dir, iteration)
-    torch.save({"iteration": iteration, "model": model.state_dict(), "optimizer": optimizer.state_dict()},
-               staging / "state.pt")
-    ckpt.commit(ckpt_dir, iteration)
+class Saver:
+    """Checkpoints written in the background (ckpt.py's protocol, one directory per node, written by its local
+    rank 0): save() blocks only for a copy of the state in memory; a thread writes it, fsyncs and seals it; poll(),
+    called by every rank after every step, commits it once every node's write finished (an all-reduce while a
+    save is in flight), then applies retention. At most one save in flight: the next save and the end of training
+    wait for it. A stop or a crash in between leaves the previous checkpoint as `latest`."""
+
+    def __init__(self, ckpt_dir: Path, files: RankFiles, keep: int, writes: bool) -> None:
+        self.ckpt_dir, self.files, self.keep, self.writes = ckpt_dir, files, keep, writes
+        self.token = ckpt.new_token()
+        self.pending: dict[str, Any] | None = None
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Repair this node's store, then load the newest iteration every node has (0: a fresh start)."""
+        rank = dist.get_rank()
+        if self.writes:
+            for action in ckpt.repair(self.ckpt_dir):
+                log(rank, f"checkpoints: {action}")
+        dist.barrier()
+        mine = ckpt.complete_iterations(self.ckpt_dir)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        iteration = ckpt.newest_common(everyone)
+        if iteration == 0:
+            if mine:
+                log(rank, f"no checkpoint every node has (this one has {mine}): starting from iteration 0")
+            return 0
+        state = torch.load(self.ckpt_dir / ckpt.iteration_name(iteration) / "state.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        log(rank, f"resumed from checkpoint {iteration}")
+        return iteration
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, iteration: int) -> None:
+        began = time.time()
+        with self.files.saving(iteration):
+            self.poll(blocking=True)
+            outcome: dict[str, Any] = {}
+            thread, staging = None, None
+            if self.writes:
+                snapshot = {"iteration": iteration,
+                            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                            "optimizer": copy.deepcopy(optimizer.state_dict())}
+                staging = ckpt.staging_dir(self.ckpt_dir, iteration, self.token)
+                thread = threading.Thread(target=_write, args=(snapshot, staging, iteration, outcome),
+                                          name=f"checkpoint-{iteration}", daemon=True)
+                thread.start()
+        ended = time.time()
+        self.pending = {"iteration": iteration, "began": began, "ended": ended, "thread": thread,
+                        "staging": staging, "outcome": outcome}
+        self.files.phase("save", ended, iteration=iteration, began=began, blocking_s=round(ended - began, 4),
+                         background=True)
+
+    def finish(self, iteration: int) -> None:
+        """The end of training: wait for the save in flight and commit it (the heartbeat says "saving")."""
+        if self.pending is not None:
+            with self.files.saving(iteration):
+                self.poll(blocking=True)
+
+    def poll(self, blocking: bool = False) -> None:
+        """Every rank: commit the save in flight once every node's write is done (blocking: wait for it)."""
+        pending = self.pending
+        if pending is None:
+            return
+        thread, outcome = pending["thread"], pending["outcome"]
+        if blocking and thread is not None:
+            thread.join()
+        flags = torch.tensor([int(thread is not None and thread.is_alive()), int("error" in outcome)])
+        dist.all_reduce(flags)
+        if flags[0]:
+            return
+        self.pending = None
+        iteration = pending["iteration"]
+        if "error" in outcome:
+            raise outcome["error"]
+        if flags[1]:
+            raise RuntimeError(f"checkpoint {iteration}: the write failed on another node (see its log)")
+        committing = time.time()
+        if self.writes:
+            ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep)
+        now = time.time()
+        written = outcome.get("written", committing)
+        self.files.phase("save_committed", now, iteration=iteration, began=pending["began"],
+                         background_s=round(written - pending["ended"], 4), commit_s=round(now - committing, 4))
+        log(dist.get_rank(), f"checkpoint {iteration} committed")
 
 
-def resume(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: Path, rank: int) -> int:
-    """Every rank resumes from the same iteration: the oldest `latest` among the nodes (0: fresh)."""
-    local = torch.tensor([ckpt.latest_iteration(ckpt_dir) or 0])
-    dist.all_reduce(local, op=dist.ReduceOp.MIN)
-    iteration = int(local.item())
-    if iteration == 0:
-        return 0
-    state = torch.load(ckpt_dir / ckpt.iteration_name(iteration) / "state.pt", weights_only=True)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    log(rank, f"resumed from checkpoint {iteration}")
-    return iteration
+def _write(snapshot: dict[str, Any], staging: Path, iteration: int, outcome: dict[str, Any]) -> None:
+    try:
+        torch.save(snapshot, staging / "state.pt")
+        ckpt.seal(staging, iteration)
+        outcome["written"] = time.time()
+    except Exception as exc:  # handed to the training thread, which raises it
+        outcome["error"] = exc

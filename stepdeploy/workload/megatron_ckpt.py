@@ -1,11 +1,17 @@
 """The megatron engine's checkpoints: megatron-core dist-checkpointing of the model and the (distributed)
-optimizer into a directory all ranks share, committed by rank 0 with ckpt.py's protocol, and the resume that
-puts back what megatron-core's load leaves out. Standard library + torch + megatron-core only (shipped as a file).
+optimizer into a directory all ranks share, written in the background and committed by rank 0 with ckpt.py's
+protocol (Saver), and the resume that puts back what megatron-core's load leaves out. Standard library + torch +
+megatron-core only (shipped as a file).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
+import inspect
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,30 +21,126 @@ import torch.distributed as dist
 from metrics import log
 
 
-def save(model: Any, optimizer: Any, ckpt_dir: Path, iteration: int, rank: int) -> None:
-    """dist-checkpointing into a staging directory; rank 0 commits it (rename, then `latest`)."""
-    from megatron.core import dist_checkpointing
+class Saver:
+    """megatron-core dist-checkpointing saves, asynchronous by default (STEPDEPLOY_CKPT_ASYNC=0: synchronous).
 
-    if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
-        # overlapped param all-gather: after the step each rank holds only its own shard's new weights until
-        # the next forward gathers the rest; the model's state dict must see every weight (megatron's training
-        # loop does the same before a save)
-        with torch.no_grad():
-            model.start_param_sync(force_sync=True)
-    if rank == 0:
-        ckpt.staging_dir(ckpt_dir, iteration)
-    dist.barrier()
-    staging = ckpt_dir / f".{ckpt.iteration_name(iteration)}.tmp"
-    # megatron adds process groups to the metadata dict it is given: each use gets a fresh one
-    state = sharded_state(model, optimizer, is_loading=False, metadata=checkpoint_metadata(optimizer))
-    dist_checkpointing.save(state, str(staging), content_metadata=checkpoint_metadata(optimizer))
-    dist.barrier()
-    if rank == 0:
-        ckpt.atomic_write_json(staging / "stepdeploy.json", {"iteration": iteration, "optimizer": True,
-                                                             "metadata": checkpoint_metadata(optimizer)})
-        ckpt.commit(ckpt_dir, iteration)
-        log(0, f"checkpoint {iteration} committed")
-    dist.barrier()
+    The foreground -- the step loop waits for it, the heartbeat says "saving" -- builds the sharded state dict,
+    plans the save and copies the tensors to host memory; a forked process (megatron-core's AsyncCallsQueue,
+    TemporalAsyncCaller) writes and fsyncs them. poll(), called by every rank after every step, finalizes the
+    save once every rank's write ended (megatron's finalize: write results gathered, metadata written); then rank
+    0 seals the staging directory and commits it (ckpt.py) and applies retention. At most one save in flight: the
+    next save and the end of training wait for it. The staging directory's name carries a token of this start,
+    so a writer left over from a killed start never writes into a later one's."""
+
+    def __init__(self, ckpt_dir: Path, files: Any, keep: int, rank: int) -> None:
+        self.ckpt_dir, self.files, self.keep, self.rank = ckpt_dir, files, keep, rank
+        self.asynchronous = os.environ.get("STEPDEPLOY_CKPT_ASYNC", "1") != "0"
+        token = [ckpt.new_token() if rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        self.token = token[0]
+        self.queue: Any = None
+        self.pending: dict[str, Any] | None = None
+        # a stop or a crash: end the writer process before multiprocessing's exit handler would wait for it
+        atexit.register(self.abort)
+
+    def save(self, model: Any, optimizer: Any, iteration: int) -> None:
+        from megatron.core import dist_checkpointing
+
+        began = time.time()
+        with self.files.saving(iteration):
+            self.poll(blocking=True)
+            if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
+                # overlapped param all-gather: after the step each rank holds only its own shard's new weights
+                # until the next forward gathers the rest; the model's state dict must see every weight (megatron's
+                # training loop does the same before a save)
+                with torch.no_grad():
+                    model.start_param_sync(force_sync=True)
+            staging = ckpt.staging_path(self.ckpt_dir, iteration, self.token)
+            if self.rank == 0:
+                ckpt.staging_dir(self.ckpt_dir, iteration, self.token)
+            dist.barrier()
+            # megatron adds process groups to the metadata dict it is given: each use gets a fresh one
+            state = sharded_state(model, optimizer, is_loading=False, metadata=checkpoint_metadata(optimizer))
+            content = checkpoint_metadata(optimizer)
+            seal = functools.partial(self._seal, staging, iteration, content)
+            if self.asynchronous:
+                request = dist_checkpointing.save(state, str(staging), content_metadata=content,
+                                                  async_sharded_save=True, **_async_options(dist_checkpointing))
+                request.add_finalize_fn(seal)
+                self._queue().schedule_async_request(request)
+            else:
+                dist_checkpointing.save(state, str(staging), content_metadata=content)
+                seal()
+        ended = time.time()
+        self.pending = {"iteration": iteration, "began": began, "ended": ended, "staging": staging}
+        self.files.phase("save", ended, iteration=iteration, began=began, blocking_s=round(ended - began, 4),
+                         background=self.asynchronous)
+        if not self.asynchronous:
+            self._commit(self.pending, ended)
+
+    def poll(self, blocking: bool = False) -> bool:
+        """Every rank, after every step: commit the save in flight once every rank's write ended (one small
+        all-reduce while one is in flight; blocking: wait for it). True when it committed one."""
+        if self.pending is None:
+            return False
+        polled = time.time()
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+            if self.queue.get_num_unfinalized_calls():
+                return False
+        self._commit(self.pending, polled)
+        return True
+
+    def finish(self, iteration: int) -> None:
+        """The end of training: wait for the save in flight and commit it (the heartbeat says "saving")."""
+        if self.pending is not None:
+            with self.files.saving(iteration):
+                self.poll(blocking=True)
+
+    def abort(self) -> None:
+        """A stop or a failure: end the write in flight without committing it (what it left is not sealed)."""
+        if self.queue is not None:
+            with contextlib.suppress(Exception):
+                self.queue.close(abort=True)
+        self.queue = self.pending = None
+
+    def _queue(self) -> Any:
+        if self.queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+        return self.queue
+
+    def _seal(self, staging: Path, iteration: int, content: dict[str, Any]) -> None:
+        """The last finalize step, after megatron's (every rank's write ended, metadata written): rank 0 seals."""
+        if self.pending is not None:
+            self.pending["written"] = time.time()
+        if self.rank == 0:
+            ckpt.atomic_write_json(staging / "stepdeploy.json", {"iteration": iteration, "optimizer": True,
+                                                                 "metadata": content})
+            ckpt.seal(staging, iteration)
+
+    def _commit(self, pending: dict[str, Any], polled: float) -> None:
+        """`polled`: when the poll that found every write ended began (commit_s: the finalize and the commit,
+        which the step loop waits for)."""
+        self.pending = None
+        iteration = pending["iteration"]
+        if self.rank == 0:
+            ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep)
+            log(0, f"checkpoint {iteration} committed")
+        now = time.time()
+        written = min(pending.get("written", polled), polled)
+        self.files.phase("save_committed", now, iteration=iteration, began=pending["began"],
+                         background_s=round(max(written - pending["ended"], 0.0), 4),
+                         commit_s=round(now - polled, 4))
+
+
+def _async_options(dist_checkpointing: Any) -> dict[str, Any]:
+    """megatron-core 0.19 defaults to nvidia-resiliency-ext's async writer (it needs nvrx >= 0.6, which has no
+    wheel for the GPU machine's platform: FACTS); its own ("mcore") writer is the one 0.16 has."""
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        return {"async_strategy": "mcore"}
+    return {}
 
 
 def distopt_sharding() -> str:
@@ -73,25 +175,83 @@ def sharded_state(model: Any, optimizer: Any, is_loading: bool, metadata: dict[s
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
 
 
-def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int) -> int:
-    """Load the checkpoint `latest` names (all ranks share ckpt_dir): weights and optimizer state, or fail
-    loudly (a resume that silently drops the optimizer state is not a resume). 0 for a fresh start."""
+def find(ckpt_dir: Path, rank: int) -> int:
+    """Every rank: the iteration a resume loads -- rank 0 repairs the store (all ranks share it), then the newest
+    complete checkpoint every rank sees (0: a fresh start)."""
+    if rank == 0:
+        for action in ckpt.repair(ckpt_dir):
+            log(rank, f"checkpoints: {action}")
+    dist.barrier()
+    mine = ckpt.complete_iterations(ckpt_dir)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if mine != everyone[0]:
+        log(rank, f"checkpoints: this rank sees {mine or 'none'} in {ckpt_dir}, rank 0 sees {everyone[0] or 'none'}: "
+                  "the megatron engine needs a checkpoint directory every rank shares")
+    return ckpt.newest_common(everyone)
+
+
+def skip_initialization(config: Any, ckpt_dir: Path, rank: int) -> int:
+    """Before the model is built: when a checkpoint will be loaded, the weights' random initialization is work the
+    load overwrites (megatron-core's perform_initialization=False, meant for this; every weight must then come from
+    the checkpoint, which the strict load_state_dict of resume() checks). Returns find()'s iteration."""
+    iteration = find(ckpt_dir, rank)
+    if iteration and initialization_skippable(config):
+        config.perform_initialization = False
+        log(rank, f"checkpoint {iteration} will be loaded: weights not initialized")
+    return iteration
+
+
+def initialization_skippable(config: Any) -> bool:
+    """megatron-core before 0.19 sets a tensor-parallel weight's attributes (tensor_model_parallel, partition_dim)
+    only in the initialization it skips; without them a TP (or expert-TP) rank other than 0 leaves its shards out
+    of the gradient norm. 0.19 sets them either way; with TP 1 and expert TP 1 nothing reads them."""
+    from megatron.core import package_info
+
+    version = tuple(int(part) for part in package_info.__version__.split(".")[:2])
+    whole = config.tensor_model_parallel_size == 1 and (config.expert_tensor_parallel_size or 1) == 1
+    return version >= (0, 19) or whole
+
+
+def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[str, float] | None = None,
+           iteration: int | None = None) -> int:
+    """Load the newest complete checkpoint (or `iteration`, find()'s answer): weights and optimizer state, or fail
+    loudly (a resume that silently drops the optimizer state is not a resume). 0 for a fresh start. `parts`:
+    filled with the seconds each part of the load took (where a restart's time goes)."""
     from megatron.core import dist_checkpointing
 
-    iteration = ckpt.latest_iteration(ckpt_dir)
-    if iteration is None:
+    clock = _PartClock(parts if parts is not None else {})
+    iteration = find(ckpt_dir, rank) if iteration is None else iteration
+    clock.lap("find")
+    if iteration == 0:
         return 0
     where = ckpt_dir / ckpt.iteration_name(iteration)
     metadata = dist_checkpointing.load_content_metadata(str(where)) or checkpoint_metadata(optimizer)
     materialize_optimizer_state(optimizer)
+    clock.lap("optimizer_state")
     state = sharded_state(model, optimizer, is_loading=True, metadata=dict(metadata))
+    clock.lap("state_dict")
     loaded = dist_checkpointing.load(state, str(where))
-    model.module.load_state_dict(loaded["model"])
+    clock.lap("read")
+    model.module.load_state_dict(loaded["model"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     restore_adam_steps(optimizer, loaded["optimizer"])
+    clock.lap("apply")
     log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, "
               f"{metadata.get('distrib_optim_sharding_type', 'no distributed optimizer')})")
     return iteration
+
+
+class _PartClock:
+    def __init__(self, parts: dict[str, float]) -> None:
+        self.parts, self.last = parts, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.parts[name] = round(now - self.last, 3)
+        self.last = now
 
 
 def materialize_optimizer_state(optimizer: Any) -> None:

@@ -4,8 +4,13 @@
     out/phases.jsonl           rank 0: where a start's time goes, one line per phase, appended by every start
                                of the run: {"phase", "time", "pid", ...}. start (the process began), initialized
                                (process group up), model, optimizer, resumed (+ iteration, load_s), first_step
-                               (+ iteration, step_s), save (+ iteration, began; time = when the step loop resumed)
-    out/heartbeat/rank<R>      every rank: {"iteration", "time"}, rewritten every step (hang detection)
+                               (+ iteration, step_s),
+                               save (+ iteration, began, blocking_s, background; time - began: what the step loop
+                               waited for), save_committed (+ iteration, began: its save's, background_s: the write
+                               after the step loop went on, commit_s; time: when `latest` named it)
+    out/heartbeat/rank<R>      every rank: {"iteration", "time", "pid"}, rewritten every step (hang detection);
+                               + "state": "saving" while a checkpoint save blocks the step loop (rewritten every
+                               SAVE_BEAT_S then, for at most SAVE_BEAT_LIMIT_S: a save that hangs longer is a hang)
     out/status/rank<R>.json    every rank: {"state": "running", "pid", ...} at start, {"state": "exited",
                                "code", "reason"} at exit. A rank killed outright leaves "running" with a
                                dead pid: that is how the controller tells the rank that died from its victims.
@@ -13,10 +18,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +36,8 @@ METRIC_KEYS = ("iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_pe
 # (expert-bias balancing) and MTP losses (one per MTP layer)
 OPTIONAL_KEYS = ("forward_backward_s", "optimizer_s", "profiled", "moe_load", "moe_load_max", "moe_dropped",
                  "moe_load_ceiling", "router_bias", "router_bias_absmax", "mtp_loss")
+SAVE_BEAT_S = 5.0
+SAVE_BEAT_LIMIT_S = 420.0  # nvidia-resiliency-ext's Megatron example: checkpoint section timeout
 
 
 class RankFiles:
@@ -43,10 +53,30 @@ class RankFiles:
                                         "local_rank": local_rank, "host": socket.gethostname(),
                                         "node": os.environ.get("STEPDEPLOY_NODE_NAME"), "started": time.time()})
 
-    def beat(self, iteration: int) -> None:
+    def beat(self, iteration: int, state: str | None = None) -> None:
         # every step, on every rank: no fsync (the GPU idles while the host writes it)
-        atomic_write_json(self.heartbeat, {"iteration": iteration, "time": time.time(), "pid": os.getpid()},
-                          durable=False)
+        beat = {"iteration": iteration, "time": time.time(), "pid": os.getpid()} | ({"state": state} if state else {})
+        atomic_write_json(self.heartbeat, beat, durable=False)
+
+    @contextlib.contextmanager
+    def saving(self, iteration: int, limit_s: float = SAVE_BEAT_LIMIT_S) -> Iterator[None]:
+        """The heartbeat says "saving" while the block runs, rewritten every SAVE_BEAT_S up to `limit_s`."""
+        stop = threading.Event()
+        self.beat(iteration, "saving")
+
+        def tick() -> None:
+            deadline = time.monotonic() + limit_s
+            while not stop.wait(SAVE_BEAT_S) and time.monotonic() < deadline:
+                self.beat(iteration, "saving")
+
+        ticker = threading.Thread(target=tick, name="saving-heartbeat", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
+            self.beat(iteration)
 
     def exited(self, code: int, reason: str) -> None:
         status = json.loads(self.status.read_text()) if self.status.exists() else {"rank": self.rank}
@@ -58,7 +88,6 @@ class RankFiles:
         line = {key: values.get(key) for key in METRIC_KEYS} | {k: values[k] for k in OPTIONAL_KEYS if k in values}
         with open(self.metrics, "a") as handle:
             handle.write(json.dumps(line) + "\n")
-
 
     def phase(self, name: str, when: float | None = None, **data: Any) -> None:
         """Rank 0: one line of out/phases.jsonl (start-up, resume, first step, checkpoint saves: goodput)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from stepdeploy.preflight import host
 from stepdeploy.preflight.model import Section, Status
 from stepdeploy.stack import get_profile
@@ -94,3 +96,26 @@ def test_peermem_and_training_interface() -> None:
     assert host.iface_facts(iface) == (1500, "10.0.0.5")
     assert host.check_iface(iface, exp).status is Status.WARN
     assert host.check_iface(Section(1, "cat: /sys/class/net/ib0/mtu: No such file"), exp).status is Status.FAIL
+
+
+def test_the_disk_check_is_sized_for_the_checkpoints_a_run_keeps() -> None:
+    """--model and --keep-checkpoints: room for K committed checkpoints plus the one being written."""
+    from types import SimpleNamespace
+
+    from stepdeploy.cli.preflight import checkpoint_space
+    from stepdeploy.plan import checkpoint
+
+    gpu_node = SimpleNamespace(gpus_per_node=8)
+    assert checkpoint_space(None, [gpu_node], 2, 50.0) == (50.0, None)
+    per_node = checkpoint.checkpoint_bytes_per_node(197_800_415_232, 8, 2) / 1024**3  # Step-3.5-Flash, 2 nodes
+    need, why = checkpoint_space("step-3.5-flash", [gpu_node, gpu_node], 2, 50.0)
+    assert need == pytest.approx(3 * per_node, rel=0.01) and need > 1000
+    assert why.startswith("2 kept + 1 in flight checkpoints of step-3.5-flash")
+    need1, _ = checkpoint_space("step-3.5-flash", [gpu_node, gpu_node], 1, 50.0)
+    assert need1 == pytest.approx(need * 2 / 3)
+    tiny, why = checkpoint_space("tiny-dense", [SimpleNamespace(gpus_per_node=None)], 2, 50.0)
+    assert tiny == 50.0 and "--min-free-gib 50 is more" in why  # the floor stays
+    df = "/var/ckpt\nFilesystem 1024-blocks Used Available Capacity Mounted on\n/dev/vda 100 0 1073741824 0% /"
+    result = host.check_disk(Section(0, df), need, "/var/ckpt", why)
+    assert result.status is Status.FAIL and "2 kept + 1 in flight" in result.expected
+    assert "--keep-checkpoints" in result.fix

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from stepdeploy.cli.app import app
 from stepdeploy.errors import BadInput
+from stepdeploy.render.options import RenderOptions
 
 SIM_INI = """[sim]
 node1 ansible_host=10.83.0.11
@@ -148,3 +150,14 @@ def test_a_profile_without_flex_attention_is_refused_for_sliding_windows(tmp_pat
     assert isinstance(res.exception, BadInput), res.output
     assert "PyTorch 2.3.1, needs >= 2.5 for sliding-window attention" in res.exception.message
     assert "hopper-cu130" in (res.exception.hint or "") and not (tmp_path / "x").exists()
+
+
+def test_keep_checkpoints_reaches_the_workload_and_must_keep_one(tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "keep"
+    res = run(tmp_path, SIM_INI, "-m", "tiny-dense", "--out", str(out), "--keep-checkpoints", "3")
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "workload.json").read_text())["training"]["keep_checkpoints"] == 3
+    res = run(tmp_path, SIM_INI, "-m", "tiny-dense", "--out", str(tmp_path / "k0"), "--keep-checkpoints", "0")
+    assert res.exit_code == 2 and not (tmp_path / "k0").exists()
+    with pytest.raises(BadInput, match="keep-checkpoints 0"):
+        RenderOptions(run_id="r", keep_checkpoints=0)

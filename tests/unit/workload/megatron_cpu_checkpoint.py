@@ -3,7 +3,8 @@ CPU with megatron-core's real DDP, DistributedOptimizer and dist-checkpointing (
 
 megatron-core hard-codes CUDA in places (device='cuda' tensors, torch.cuda.*Tensor type checks), so this
 process first points those at the CPU -- which is why it must not share a process with other tests. Trains
-two steps, saves, takes two more; builds a second model and optimizer from another seed, resumes, takes the same
+two steps, saves asynchronously (the engine's Saver), takes two more while the write is in flight, commits;
+builds a second model and optimizer from another seed, resumes, takes the same
 two steps, and prints one JSON line comparing weights, fp32 master weights, Adam state and step count with what
 was saved, and the resumed run's two steps with the uninterrupted run's; then trains the same four steps with the
 engine's ParamGather (the param all-gather dispatched after each step) and compares them with megatron's own.
@@ -32,6 +33,7 @@ def main(model_name: str, workdir: Path) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from metrics import RankFiles
 
     from stepdeploy.catalog import load_model
     from stepdeploy.plan.layout import Layout
@@ -45,9 +47,14 @@ def main(model_name: str, workdir: Path) -> None:
     if "num_moe_experts" in kwargs:  # the alltoall dispatcher allocates a CUDA stream
         kwargs["moe_token_dispatcher_type"] = "allgather"
 
-    def build(seed: int) -> tuple[Any, Any]:
+    skipped: list[tuple[int, bool]] = []
+
+    def build(seed: int, resuming_from: Path | None = None) -> tuple[Any, Any]:
         torch.manual_seed(seed)
         config = TransformerConfig(**kwargs)
+        if resuming_from is not None:  # as the engine: no random initialization when a checkpoint will be loaded
+            skipped.append((megatron_ckpt.skip_initialization(config, resuming_from, 0),
+                            not config.perform_initialization))
         model = Float16Module(config, em.build_model(cfg, config))
         # the engine's DDP config (overlapped param gather), with buckets small enough that the model has several
         ddp = DistributedDataParallelConfig(**(em.ddp_config_kwargs(cfg) | {"bucket_size": 20_000}))
@@ -75,17 +82,25 @@ def main(model_name: str, workdir: Path) -> None:
     first_losses = [train_step(model, optimizer, step) for step in range(2)]
     ckpt_dir = workdir / "checkpoints"
     shutil.rmtree(ckpt_dir, ignore_errors=True)
-    megatron_ckpt.save(model, optimizer, ckpt_dir, 2, 0)
+    files = RankFiles(workdir / "out", 0)
+    saver = megatron_ckpt.Saver(ckpt_dir, files, 2, 0)
+    saver.save(model, optimizer, 2)  # asynchronous: a forked process writes while training goes on
+    in_flight = saver.pending is not None and not (ckpt_dir / "iter_0000002").exists()
     saved_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     saved_states = adam_states(optimizer)
     saved_main = main_params(optimizer)
-    # the uninterrupted run's next two steps: the resumed run must take exactly the same ones
+    # the uninterrupted run's next two steps (taken while checkpoint 2 is written): the resumed run must take
+    # exactly the same ones
     continued_losses = [train_step(model, optimizer, 2), train_step(model, optimizer, 3)]
+    saver.poll(blocking=True)
     continued_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    phases = [json.loads(line) for line in (workdir / "out" / "phases.jsonl").read_text().splitlines()]
+    checkpoint_files = sorted(p.name for p in (ckpt_dir / "iter_0000002").iterdir())
 
-    model2, optimizer2 = build(7)
+    model2, optimizer2 = build(7, ckpt_dir)
     differs_before = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
-    resumed = megatron_ckpt.resume(model2, optimizer2, ckpt_dir, 0)
+    load_parts: dict[str, float] = {}
+    resumed = megatron_ckpt.resume(model2, optimizer2, ckpt_dir, 0, load_parts, skipped[0][0])
     states = adam_states(optimizer2)
     main = main_params(optimizer2)
     params_differing = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
@@ -106,7 +121,15 @@ def main(model_name: str, workdir: Path) -> None:
             eager_losses.append(train_step(model3, optimizer3, step, gather))
             dispatched_per_step.append(len(dispatches))
             dispatches.clear()
+    # a second save, retention 1: checkpoint 2 goes once 4 is committed, and only then
+    saver.keep = 1
+    saver.save(model, optimizer, 4)
+    both_before_commit = sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("."))
+    saver.finish(4)  # the end of training
     print(json.dumps({
+        "in_flight_after_save": in_flight, "phases": phases, "checkpoint_files": checkpoint_files,
+        "load_parts": load_parts, "initialization_skipped": skipped, "before_second_commit": both_before_commit,
+        "after_second_commit": sorted(p.name for p in ckpt_dir.iterdir()),
         "eager_gather_groups": len(gather.groups),
         "eager_first_group_has_embedding": any(q is embedding for b in gather.groups[0].buckets for q in b.params_list),
         "eager_dispatched_per_step": dispatched_per_step,

@@ -12,6 +12,8 @@ def test_latest_moves_only_after_commit(tmp_path: Path) -> None:
     staging = ckpt.staging_dir(tmp_path, 5)
     (staging / "state.pt").write_text("five")
     assert ckpt.latest_iteration(tmp_path) is None, "a staged checkpoint is not a checkpoint"
+    ckpt.seal(staging, 5)
+    assert ckpt.latest_iteration(tmp_path) is None, "a sealed but uncommitted checkpoint is not in place yet"
     final = ckpt.commit(tmp_path, 5)
     assert final == tmp_path / "iter_0000005" and (final / "state.pt").read_text() == "five"
     assert ckpt.latest_iteration(tmp_path) == 5
@@ -19,7 +21,7 @@ def test_latest_moves_only_after_commit(tmp_path: Path) -> None:
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_current(tmp_path: Path) -> None:
-    ckpt.staging_dir(tmp_path, 1)
+    ckpt.seal(ckpt.staging_dir(tmp_path, 1), 1)
     ckpt.commit(tmp_path, 1)
     half = ckpt.staging_dir(tmp_path, 2)
     (half / "state.pt").write_text("half written")  # the process dies here: no commit

@@ -23,7 +23,19 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["resumed"] == 2 and result["latest"] == "2"
+    assert result["resumed"] == 2
+    # the save went on in the background (a forked writer); the step loop took two steps before the commit
+    assert result["in_flight_after_save"] is True
+    save, committed = (p for p in result["phases"] if p["phase"] in ("save", "save_committed"))
+    assert save["phase"] == "save" and save["background"] is True and save["iteration"] == 2
+    assert committed["phase"] == "save_committed" and committed["iteration"] == 2 and committed["time"] > save["time"]
+    assert "complete" in result["checkpoint_files"] and "stepdeploy.json" in result["checkpoint_files"]
+    # the resumed model was built without random initialization (the checkpoint's load fills every weight)
+    assert result["initialization_skipped"] == [[2, True]]
+    assert set(result["load_parts"]) == {"find", "optimizer_state", "state_dict", "read", "apply"}
+    # retention 1: 2 stays until 4 is committed, then goes
+    assert result["before_second_commit"] == ["iter_0000002", "latest"]
+    assert result["after_second_commit"] == ["iter_0000004", "latest"] and result["latest"] == "4"
     assert result["params_differing_before"] > 0  # the second model starts elsewhere: the load must move it
     assert result["params_differing"] == 0, result
     saved, resumed = result["adam_states"]
@@ -46,3 +58,22 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
     assert result["eager_redispatch_warnings"] == 0, result  # the pre-hooks know the gather is dispatched
     assert result["eager_losses"] == result["lazy_losses"], result
     assert result["eager_params_differing"] == 0, result
+
+
+def test_an_asynchronous_save_on_two_ranks_commits_only_whole_and_an_abort_commits_nothing(tmp_path: Path) -> None:
+    """DP 2 with the distributed optimizer: each rank writes its own optimizer shard in a forked writer; rank 0
+    commits once both ranks' writes ended. A save aborted while it is written (a stop) leaves checkpoint 1 as
+    `latest`, and the resume removes what it left."""
+    script = Path(__file__).with_name("megatron_cpu_checkpoint_dp2.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = json.loads(proc.stdout.strip().splitlines()[-1])
+    for result in ranks:
+        assert result["committed_1"] == ["iter_0000001", "latest"], result
+        assert result["latest_after_abort"] == "1", result
+        assert [n for n in result["after_abort"] if not n.startswith(".iter_0000002.tmp-")] == ["iter_0000001",
+                                                                                                "latest"], result
+        assert result["resumed"] == 1 and result["differing_before"] > 0, result
+        assert result["params_differing"] == 0 and result["main_shards"] > 0 and result["main_differing"] == 0, result
+        assert result["after_resume"] == ["iter_0000001", "latest"], result

@@ -38,3 +38,31 @@ def test_router_stats_summarise_load_dropped_and_bias_per_layer() -> None:
     with torch.no_grad():
         stats.add(1, torch.tensor([100, 0]), tokens=100)  # an evaluation pass: not counted
     assert stats.reduce()["moe_load"] == {"2": 1.5} and stats.counts.sum() == 0
+
+
+def test_the_heartbeat_says_saving_while_a_save_blocks_and_stops_beating_past_the_limit(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    import time
+
+    import metrics
+
+    monkeypatch.setattr(metrics, "SAVE_BEAT_S", 0.05)
+    files = RankFiles(tmp_path, 1)
+
+    def beat() -> dict:
+        return json.loads((tmp_path / "heartbeat" / "rank1").read_text())
+
+    files.beat(7)
+    assert "state" not in beat()  # a training beat: as before (the monitors read iteration, time, pid)
+    with files.saving(7):
+        first = beat()
+        assert first["state"] == "saving" and first["iteration"] == 7
+        time.sleep(0.3)
+        assert beat()["time"] > first["time"]  # rewritten while the save blocks: not a hang
+    after = beat()
+    assert "state" not in after and after["iteration"] == 7
+    with files.saving(8, limit_s=0.1):  # a save stuck past the limit: the beats stop, the hang timeout can fire
+        time.sleep(0.3)
+        stale = beat()["time"]
+        time.sleep(0.3)
+        assert beat()["time"] == stale

@@ -4,6 +4,7 @@ tests/integration/test_launch.py."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import ckpt  # tests/unit/workload/conftest.py puts the workload directory on sys.path
 import pytest
 
 import stepdeploy.workload
@@ -41,10 +43,36 @@ def config(tmp_path: Path, iterations: int, model: str = "tiny-dense", save_inte
     return path
 
 
-def start(cfg: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
+# train.py with a slow disk: every torch.save (the checkpoint write) notes its path in $SLOW_LOG, then sleeps
+# $SLOW_S seconds before writing
+SLOW_DISK = """
+import os, sys, time
+import torch
+sys.path.insert(0, os.environ["WORKLOAD"])
+real = torch.save
+def slow(obj, path, *args, **kwargs):
+    with open(os.environ["SLOW_LOG"], "a") as log:
+        log.write(f"{path} {time.time()}\\n")
+    time.sleep(float(os.environ["SLOW_S"]))
+    if os.environ.get("FULL_AT") and f"iter_{int(os.environ['FULL_AT']):07d}" in str(path):
+        raise OSError(28, "No space left on device")
+    return real(obj, path, *args, **kwargs)
+torch.save = slow
+import train
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def start(cfg: Path, out: Path, *extra: str, slow_s: float | None = None, full_at: int | None = None
+          ) -> subprocess.Popen[str]:
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_port()), "OMP_NUM_THREADS": "1", "STEPDEPLOY_NODE_NAME": "here"}
-    return subprocess.Popen([sys.executable, str(TRAIN), "--config", str(cfg), "--out-dir", str(out), *extra],
+    program = [str(TRAIN)]
+    if slow_s is not None:
+        env |= {"WORKLOAD": str(TRAIN.parent), "SLOW_LOG": str(out.parent / "slow.log"), "SLOW_S": str(slow_s),
+                "FULL_AT": str(full_at or "")}
+        program = ["-c", SLOW_DISK]
+    return subprocess.Popen([sys.executable, *program, "--config", str(cfg), "--out-dir", str(out), *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -76,6 +104,7 @@ def test_metrics_heartbeat_status_checkpoints_and_resume(tmp_path: Path, model: 
     assert status["state"] == "exited" and status["code"] == 0 and status["node"] == "here"
     assert (out / "checkpoints/latest").read_text() == "6\n"
     assert {p.name for p in (out / "checkpoints").iterdir()} == {"latest", "iter_0000003", "iter_0000006"}
+    assert all((out / "checkpoints" / name / "complete").exists() for name in ("iter_0000003", "iter_0000006"))
 
     code, output = finish(start(cfg, out, "--iterations", "8"))
     assert code == 0, output
@@ -85,11 +114,99 @@ def test_metrics_heartbeat_status_checkpoints_and_resume(tmp_path: Path, model: 
     phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
     names = [(p["phase"], p.get("iteration")) for p in phases]
     assert names == [("start", None), ("initialized", None), ("model", None), ("resumed", 0), ("first_step", 1),
-                     ("save", 3), ("save", 6), ("start", None), ("initialized", None), ("model", None),
-                     ("resumed", 6), ("first_step", 7), ("save", 8)]
-    assert len({p["pid"] for p in phases[:7]}) == 1 and phases[7]["pid"] != phases[0]["pid"]
+                     ("save", 3), ("save_committed", 3), ("save", 6), ("save_committed", 6), ("start", None),
+                     ("initialized", None), ("model", None), ("resumed", 6), ("first_step", 7), ("save", 8),
+                     ("save_committed", 8)]
+    assert len({p["pid"] for p in phases[:9]}) == 1 and phases[9]["pid"] != phases[0]["pid"]
     times = [p["time"] for p in phases]
-    assert times == sorted(times) and all(p["began"] <= p["time"] for p in phases if p["phase"] == "save")
+    assert times == sorted(times) and all(p["began"] <= p["time"] for p in phases if p["phase"].startswith("save"))
+    for p in phases:
+        if p["phase"] == "save":  # what the step loop waited for, and that the write went on in the background
+            assert p["background"] is True and p["blocking_s"] == pytest.approx(p["time"] - p["began"], abs=1e-3)
+        if p["phase"] == "save_committed":
+            assert p["background_s"] >= 0 and p["commit_s"] >= 0
+    assert ckpt.complete_iterations(out / "checkpoints") == [6, 8]  # retention: the last 2 (the default)
+
+
+def test_saves_write_in_the_background_and_the_next_save_waits_for_the_one_in_flight(tmp_path: Path) -> None:
+    cfg, out = config(tmp_path, iterations=7, save_interval=3), tmp_path / "out"
+    code, output = finish(start(cfg, out, slow_s=2.0))
+    assert code == 0, output
+    phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    saves = {p["iteration"]: p for p in phases if p["phase"] == "save"}
+    committed = {p["iteration"]: p for p in phases if p["phase"] == "save_committed"}
+    assert sorted(saves) == sorted(committed) == [3, 6, 7]
+    metrics = {m["iteration"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    # the step loop went on while checkpoint 3 was written: iteration 4 ended before the write did
+    assert saves[3]["blocking_s"] < 1.0 and committed[3]["background_s"] >= 2.0
+    assert metrics[4]["time"] < committed[3]["time"]
+    # 6 found 3's write still going (one save in flight at most) and waited: its blocking time says so
+    assert saves[6]["began"] < committed[3]["time"] <= saves[6]["time"]
+    assert committed[3]["time"] < committed[6]["time"] < committed[7]["time"]  # and the end waited for the last
+    assert ckpt.complete_iterations(out / "checkpoints") == [6, 7]
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_sigterm_during_a_background_write_leaves_the_previous_checkpoint_latest(tmp_path: Path) -> None:
+    cfg, out = config(tmp_path, iterations=100000, save_interval=3), tmp_path / "out"
+    proc = start(cfg, out, slow_s=60.0)
+    deadline = time.monotonic() + 120
+    heartbeat: dict = {}
+    while heartbeat.get("state") != "saving" or heartbeat.get("iteration") != 6:
+        # checkpoint 3's write (60 s) is in flight; training went on to 6, whose save waits for it, saying so
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+        with contextlib.suppress(OSError, ValueError):
+            heartbeat = json.loads((out / "heartbeat/rank0").read_text())
+    assert "iter_0000003" in (tmp_path / "slow.log").read_text()
+    proc.send_signal(signal.SIGTERM)
+    code, output = finish(proc)
+    assert code == 143, output
+    # the write never ended: nothing was committed, and what it left is not a checkpoint
+    assert not (out / "checkpoints/latest").exists() and ckpt.latest_iteration(out / "checkpoints") is None
+    assert all(p.name.startswith(".iter_0000003.tmp-") for p in (out / "checkpoints").iterdir())
+
+
+def test_sigterm_during_a_later_background_write_keeps_the_committed_one(tmp_path: Path) -> None:
+    cfg, out = config(tmp_path, iterations=100000, save_interval=3), tmp_path / "out"
+    proc = start(cfg, out, slow_s=0.0)  # a fast disk until checkpoint 3 is committed
+    deadline = time.monotonic() + 120
+    while ckpt.latest_iteration(out / "checkpoints") is None:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    code, output = finish(proc)
+    assert code == 143, output
+    latest = ckpt.latest_iteration(out / "checkpoints")
+    assert latest is not None and latest % 3 == 0
+    # a second start on a slow disk, stopped inside its first background write
+    slow_log = tmp_path / "slow.log"
+    slow_log.unlink(missing_ok=True)
+    proc = start(cfg, out, slow_s=60.0)
+    while not slow_log.exists():
+        assert proc.poll() is None and time.monotonic() < deadline + 120, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code, output = finish(proc)
+    assert code == 143 and f"resumed from checkpoint {latest}" in output, output
+    assert (out / "checkpoints/latest").read_text() == f"{latest}\n"
+    assert ckpt.latest_iteration(out / "checkpoints") == latest
+    stale = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert len(stale) == 1 and stale[0].startswith(f".{ckpt.iteration_name(latest + 3)}.tmp-"), stale
+    # the next start removes it
+    code, output = finish(start(cfg, out, "--iterations", str(latest + 1)))
+    assert code == 0 and "checkpoints: removed .iter_" in output, output
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_fails_the_rank_with_the_reason_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    cfg, out = config(tmp_path, iterations=9, save_interval=3), tmp_path / "out"
+    code, output = finish(start(cfg, out, slow_s=0.0, full_at=6))
+    assert code == 1, output
+    status = json.loads((out / "status/rank0.json").read_text())
+    assert status["state"] == "exited" and "No space left on device" in status["reason"], status
+    assert "No space left on device" in output
+    assert ckpt.latest_iteration(out / "checkpoints") == 3 and (out / "checkpoints/latest").read_text() == "3\n"
 
 
 def test_bad_configuration_exits_2_and_says_so(tmp_path: Path) -> None:
