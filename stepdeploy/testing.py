@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,7 @@ class FakeNodes:
         self._failures: list[tuple[str, str, str]] = []  # (call, node, detail), consumed in order
         self._responses: list[tuple[re.Pattern[str], bool, str]] = []
         self._left: dict[str, tuple[int, ...]] = {}
+        self._hooks: list[tuple[str, Callable[[], None]]] = []
 
     # --- scripting ---------------------------------------------------------------------------------------------
     def at(self, *, start: int, after_s: float, kill: int | None = None, hang: int | None = None,
@@ -146,6 +148,17 @@ class FakeNodes:
     def respond(self, pattern: str, stdout: str, ok: bool = True) -> None:
         """run_command: a command matching `pattern` (a regex) answers `stdout` on every node."""
         self._responses.append((re.compile(pattern), ok, stdout))
+
+    def on(self, call: str, action: Callable[[], None], nth: int = 1) -> None:
+        """Run `action` just before the `nth` next call of `call` (e.g. write RUN/STOP when the recovery stops
+        the run: a `rollout stop` during a restart)."""
+        self._hooks += [(call, lambda: None)] * (nth - 1) + [(call, action)]
+
+    def called(self, call: str) -> None:
+        self.calls.append(call)
+        hook = next((i for i, (c, _a) in enumerate(self._hooks) if c == call), None)
+        if hook is not None:
+            self._hooks.pop(hook)[1]()
 
     def stop_leaves(self, node: str, pids: tuple[int, ...]) -> None:
         """The next stop leaves these processes on `node` (the stop failed)."""
@@ -304,12 +317,12 @@ class FakeExecutor:
         return self.world.take_failure(call, node)
 
     def prepare(self, local_run: Path) -> list[NodeResult]:
-        self.world.calls.append("prepare")
+        self.world.called("prepare")
         return [NodeResult(t.name, False, why) if (why := self._answer("prepare", t.name)) else
                 NodeResult(t.name, True, "uploaded") for t in self.targets]
 
     def start(self) -> list[NodeResult]:
-        self.world.calls.append("start")
+        self.world.called("start")
         results = [NodeResult(t.name, False, why) if (why := self._answer("start", t.name)) else
                    NodeResult(t.name, True, "launch pid 4242") for t in self.targets]
         if all(r.ok for r in results):
@@ -317,17 +330,17 @@ class FakeExecutor:
         return results
 
     def poll(self) -> RunStatus:
-        self.world.calls.append("poll")
+        self.world.called("poll")
         self.world.advance()
         return RunStatus(tuple(self.world.status(t.name) for t in self.targets))
 
     def logs(self, tail: int = 50) -> dict[str, list[str]]:
-        self.world.calls.append("logs")
+        self.world.called("logs")
         return {t.name: [f"{t.name} | (unreachable)"] if self.world.unreachable(t.name) else
                 [f"{t.name} | {line}" for line in self.world.logs[t.name][-tail:]] for t in self.targets}
 
     def stop(self, grace_s: float = 10.0, targets: list[Any] | None = None) -> list[StopResult]:
-        self.world.calls.append("stop")
+        self.world.called("stop")
         chosen = self._chosen(targets)
         failed = {t.name: why for t in chosen if (why := self._answer("stop", t.name))}
         killed, left = self.world.halt([t.name for t in chosen if t.name not in failed])
@@ -337,7 +350,7 @@ class FakeExecutor:
                 for t in chosen]
 
     def fetch(self, dest: Path) -> list[NodeResult]:
-        self.world.calls.append("fetch")
+        self.world.called("fetch")
         self.world.advance()
         results = []
         for i, t in enumerate(self.targets):
@@ -369,7 +382,7 @@ class FakeExecutor:
         (where / target.log).write_text("".join(line + "\n" for line in world.logs[target.name]))
 
     def run_command(self, command: str, targets: list[Any] | None = None) -> list[CommandResult]:
-        self.world.calls.append("run_command")
+        self.world.called("run_command")
         results = []
         for t in self._chosen(targets):
             self.world.commands.append((t.name, command))

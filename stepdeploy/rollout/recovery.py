@@ -55,7 +55,7 @@ def _df(executor: Any, node: str) -> str:
         ok, out = inject.run_on(executor, node, "df -P -k . | tail -n 1")
     except Exception:  # best effort: the error above stands without it
         return ""
-    fields = out.split()
+    fields = out.splitlines()[-1].split() if out.strip() else []
     if not ok or len(fields) < 6 or not fields[3].isdigit():
         return ""
     return f" (df: {int(fields[3]) // 1024} MiB free on {fields[5]})"

@@ -20,10 +20,10 @@ from stepdeploy.monitor import diagnose
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
 from stepdeploy.report.summary import METRIC_NAMES  # the names the report plots
-from stepdeploy.rollout import attempt as attempt_io
 from stepdeploy.rollout import gates, recovery, soak
 from stepdeploy.rollout.attempt import (
     Live,
+    executor_for,
     follow,
     metric_rows,
     metric_time,
@@ -50,11 +50,11 @@ class Rollout:
         self.on_tick = on_tick
         self.live = Live()
         self.clock, self.faults = clock, faults
-        self._executors = executors or attempt_io.executor_for
+        self._executors = executors
 
     def executor_for(self, local: Path) -> Any:
         """The executor of the run rendered in `local` (a context manager)."""
-        return self._executors(self.cluster, local)
+        return (self._executors or executor_for)(self.cluster, local)
 
     # --- the whole run -------------------------------------------------------------------------------------
     def run(self) -> None:

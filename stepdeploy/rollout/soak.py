@@ -27,6 +27,7 @@ from stepdeploy.monitor.classify import Classification
 from stepdeploy.monitor.model import Thresholds
 from stepdeploy.rollout import checkpoint_interval, gates, goodput, inject, monitors, training_gates
 from stepdeploy.rollout.attempt import read_metrics, read_phases, render_attempt
+from stepdeploy.rollout.clock import REAL, Clock
 from stepdeploy.rollout.config import AUTO, StageFailed, StageStopped
 from stepdeploy.rollout.ladder import target_rung
 from stepdeploy.rollout.recovery import CLEAR_RANK_FILES, event, recover
@@ -47,9 +48,10 @@ class Watch:
     live_goodput: goodput.LiveGoodput
     verdict: Classification | None = None
     detected_at: float | None = None
+    clock: Clock = REAL
 
     def check(self, status: Any) -> str | None:
-        now = self.r.clock.time()
+        now = self.clock.time()
         self.live_goodput.observe(self.r.live.last)
         self.r.live.goodput = self.live_goodput.ratio(now)
         if self.injector is not None:
@@ -60,7 +62,7 @@ class Watch:
                                   self.r.config.heartbeat_timeout_s, self.monitor.proc_states())
         if verdict is None:
             return None
-        now = self.r.clock.time()  # the injection or the monitor round above may have taken a while
+        now = self.clock.time()  # the injection or the monitor round above may have taken a while
         self.verdict, self.detected_at = verdict, now
         _event(self.r, "detected", f"{verdict.kind} detected on {verdict.node or 'the network'}"
                + (f" (rank {verdict.rank})" if verdict.rank is not None else "") + f": {verdict.evidence[0]}",
@@ -80,9 +82,9 @@ def run_soak(r: Rollout) -> None:
     try:
         _soak(r, rung, local, soak_started)
     except StageFailed:
-        _record_goodput(r, local, soak_started)
+        _record_goodput(r, local, soak_started, r.clock.time())
         raise
-    _record_goodput(r, local, soak_started)
+    _record_goodput(r, local, soak_started, r.clock.time())
 
 
 def _soak(r: Rollout, rung: Any, local: Path, soak_started: float) -> None:
@@ -147,7 +149,7 @@ def _one_attempt(r: Rollout, rung: Any, local: Path, attempt: int, started: floa
     full = next((d for d in found if d.signature == diagnose.DISK_FULL), None)
     if full is not None:  # a restart would meet the same full disk (and fail in its upload): say so, once
         where = f" on {verdict.node}" if verdict and verdict.node else ""
-        raise StageFailed(f"soak: no space left on device{where}: {full.evidence}", hint=full.fix)
+        raise StageFailed(f"soak: no space left on device{where}: {full.evidence.split(' | ', 1)[-1]}", hint=full.fix)
     return cause
 
 
@@ -171,7 +173,8 @@ def _watch(r: Rollout, executor: Any, local: Path, injections: list[inject.Injec
     injector = inject.Injector(injections, ledger=r.ledger, run_id=r.run_id, cluster=r.cluster, executor=executor,
                                started=soak_started, faults=r.faults) if injections else None
     # the live ratio starts from the lines the earlier attempts' collection fetched (local files, no new fetch)
-    return Watch(r, monitor, injector, goodput.LiveGoodput(soak_started, read_metrics(local / "fetched")))
+    return Watch(r, monitor, injector, goodput.LiveGoodput(soak_started, read_metrics(local / "fetched")),
+                 clock=r.clock)
 
 
 def _cause(verdict: Classification | None, status: Any, why: str) -> str:
@@ -241,14 +244,14 @@ def _save_interval(r: Rollout, schedule: SoakSchedule) -> int:
     return interval.iterations
 
 
-def _record_goodput(r: Rollout, local: Path, soak_started: float) -> None:
+def _record_goodput(r: Rollout, local: Path, soak_started: float, ended: float | None = None) -> None:
     """The soak's goodput (rollout/goodput.py) from its fetched metrics and phases and its ledger rows."""
     attempts = r.ledger.attempts(r.run_id, "soak")
     if not attempts:
         return  # it never launched
     events = [e for e in r.ledger.events(r.run_id) if e["stage"] == "soak"]
     fetched = local / "fetched"
-    figures = goodput.breakdown(soak_started, r.clock.time(), read_metrics(fetched), read_phases(fetched), attempts,
+    figures = goodput.breakdown(soak_started, REAL.time() if ended is None else ended, read_metrics(fetched), read_phases(fetched), attempts,
                                 events)
     _event(r, "goodput", figures.describe(), figures.to_json())
 
