@@ -251,8 +251,8 @@ def _record_goodput(r: Rollout, local: Path, soak_started: float, ended: float |
         return  # it never launched
     events = [e for e in r.ledger.events(r.run_id) if e["stage"] == "soak"]
     fetched = local / "fetched"
-    figures = goodput.breakdown(soak_started, REAL.time() if ended is None else ended, read_metrics(fetched), read_phases(fetched), attempts,
-                                events)
+    end = REAL.time() if ended is None else ended
+    figures = goodput.breakdown(soak_started, end, read_metrics(fetched), read_phases(fetched), attempts, events)
     _event(r, "goodput", figures.describe(), figures.to_json())
 
 
