@@ -111,6 +111,8 @@ def _soak(r: Rollout, rung: Any, local: Path, soak_started: float) -> None:
             if cause is None:
                 return
         _check_limits(r, rung.name, restarts, cause)
+        if r.stop_requested():  # `rollout stop` during the recovery: no restart
+            raise StageStopped("soak: stopped on request before its restart")
         _event(r, "restart", f"restarting the soak from its last checkpoint ({restarts + 1} of "
                f"{r.config.soak_max_restarts})", {"restart": restarts + 1, "time": r.clock.time()})
 

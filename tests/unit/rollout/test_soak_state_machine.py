@@ -154,6 +154,7 @@ def test_a_stop_during_a_restart_ends_the_stage_stopped_and_launches_nothing(soa
         soak.rollout().run()
     assert soak.stage() == "stopped" and soak.ledger.run("r")["status"] == "stopped"
     assert soak.attempts() == ["failed"] and len(soak.nodes.starts) == 1  # no new start after the stop
+    assert not soak.events("restart")
     assert not [e for e in soak.events("stage") if "failed" in e["message"]]
     assert not [e for e in soak.events("run") if e["message"] == "run failed"]
     _nothing_running(soak)
