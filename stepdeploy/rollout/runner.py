@@ -163,6 +163,8 @@ class Rollout:
             metrics = self._collect(executor, local, attempt)
             if why == "stop requested":
                 self.ledger.finish_attempt(attempt, "stopped", {"why": "stop requested"})
+                if stage == "scale":
+                    self.ledger.set_rung(self.run_id, stage, rung.name, "stopped", "stop requested")
                 raise StageStopped(f"{stage}/{rung.name}: stopped on request")
             culprits = status.culprits() or [why]
             if not (status.finished_ok and why == "exited"):  # a known signature in the logs says why, first

@@ -267,3 +267,12 @@ def test_an_injected_kill_goes_through_the_executor_and_node_faults_through_the_
     assert kills == [("node2", "kill -0 1001 && kill -9 1001")]
     assert s.events("detected")[0]["data"]["kind"] == "crash"
     assert acted == [("node2", "eth0", 30.0)]
+
+
+def test_a_stop_during_a_warm_up_ends_it_stopped_not_failed_by_its_gate(tmp_path: Path) -> None:
+    s = _soak(tmp_path, stages=("warmup",), warmup_iterations=1000)
+    s.nodes.on("poll", s.stop, nth=5)
+    with pytest.raises(StageStopped, match="warmup/target: stopped on request"):
+        s.rollout().run()
+    assert s.attempts() == ["stopped"] and s.stage() == "stopped" and s.ledger.verdicts("r") == []
+    _nothing_running(s)
