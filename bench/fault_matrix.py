@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepdeploy.inventory import load_cluster
 from stepdeploy.ledger import Ledger
 from stepdeploy.remote.ssh import Endpoint, connection
 from stepdeploy.rollout.config import RolloutConfig, StageFailed
+from stepdeploy.sim import faults as sim_faults
 from stepdeploy.sim.cluster import SimConfig, down, up
 
 PG_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, CKPT_INTERVAL, AT = 20, 15.0, 3, "40s"  # 40 s: past the first checkpoints
@@ -55,7 +57,8 @@ def run_case(cfg: SimConfig, work: Path, name: str, spec: str, seconds: float) -
     ledger.create_run(run_id, config.to_json(), list(config.stages))
     error = ""
     try:
-        Rollout(run_dir, ledger, run_id, config).run()
+        cluster = load_cluster(config.inventory)  # the simulated cluster's link-down and node-loss act from the host
+        Rollout(run_dir, ledger, run_id, config, cluster=cluster, faults=sim_faults.for_cluster(cluster)).run()
     except StageFailed as exc:
         error = exc.message
     return measure(cfg, ledger, run_id, run_dir, error)

@@ -22,7 +22,7 @@ from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
 from stepdeploy.render.options import RUN_ID
 from stepdeploy.rollout import gates, training_gates
-from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, parse_checkpoint_interval
+from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, StageStopped, parse_checkpoint_interval
 from stepdeploy.rollout.inject import parse_all as parse_injections
 from stepdeploy.rollout.ladder import parse_stages, scale_ladder, target_rung
 
@@ -197,8 +197,10 @@ def _drive(run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig, cl
     # The controller's machinery (SSH, rendering) loads only when a rollout really runs: other commands stay fast.
     from stepdeploy.rollout.runner import Rollout
     from stepdeploy.rollout.view import PlainReporter, render
+    from stepdeploy.sim import faults as sim_faults
 
-    rollout = Rollout(run_dir, ledger, run_id, config, cluster=cluster)
+    # the simulated cluster's link-down and node-loss act from the host (None: on real nodes)
+    rollout = Rollout(run_dir, ledger, run_id, config, cluster=cluster, faults=sim_faults.for_cluster(cluster))
     try:
         if err.is_terminal:
             with RichLive(console=err, refresh_per_second=2, transient=True) as live:
@@ -211,6 +213,10 @@ def _drive(run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig, cl
                 rollout.run()
             finally:
                 plain.flush_events()
+    except StageStopped as exc:  # not a failure: no cause to fix; `rollout resume` continues it when wanted
+        err.print(f"stopped: {exc.message}", markup=False, soft_wrap=True)
+        _print_status(ledger, run_id)
+        raise typer.Exit(EXIT_FAILED) from None
     except StageFailed as exc:
         err.print(f"error: {exc.message}", markup=False, soft_wrap=True)
         err.print(f"hint: fix the cause (or a threshold), then: stepdeploy rollout resume {run_dir}", markup=False)
@@ -306,10 +312,12 @@ def _let_the_controller_stop(run_dir: Path, ledger: Ledger, attempt_ids: list[in
         pass
     info("a controller is running this rollout; waiting for it to stop its attempt")
     until = time.monotonic() + wait_s
+    run_id = ledger.run_ids()[-1]
     while time.monotonic() < until:
-        states = {a["id"]: a["status"] for a in ledger.attempts(ledger.run_ids()[-1])}
-        if all(states.get(i) != "running" for i in attempt_ids):
-            return
+        states = {a["id"]: a["status"] for a in ledger.attempts(run_id)}
+        between = not attempt_ids and any(s.status == "running" for s in ledger.stages(run_id))
+        if not between and all(states.get(i) != "running" for i in attempt_ids):
+            return  # (no attempt running but a stage is: a restart in progress; wait for the controller's stop)
         try:
             with controller_lock(run_dir):
                 return  # the controller has exited

@@ -2,6 +2,10 @@
 
 SIGNATURES is in priority order, causes before consequences: a GPU that fell off the bus (XID 79) makes
 its peers' collectives time out, so the XID is listed before the NCCL watchdog. Pure: text in, values out.
+
+A run directory's log is appended to by every attempt that runs in it (the soak restarts in place), so the
+controller writes an ATTEMPT_MARKER line before each launch and the diagnosis reads only the lines after the
+last one (`attempt_lines`): an earlier attempt's cause is never reported as this one's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ def _sig(name: str, pattern: str, cause: str, fix: str) -> Signature:
     return Signature(name, re.compile(pattern, re.IGNORECASE), cause, fix)
 
 
+ATTEMPT_MARKER = "==== stepdeploy: a new attempt starts here"  # rollout/recovery.py writes it before a launch
+
+DISK_FULL = "disk_full"
 SIGNATURES = (
     _sig("xid", r"NVRM: Xid \(", "the GPU driver logged an XID error (see the code below)", DRAIN_FIX),
     _sig("ecc", r"uncorrectable ECC error encountered", "an uncorrectable GPU memory (ECC) error killed the kernel",
@@ -46,6 +53,11 @@ SIGNATURES = (
          "the NVIDIA kernel module is not loaded (a kernel update without a DKMS rebuild, or the driver crashed)",
          "lsmod | grep nvidia; dkms status; modprobe nvidia (check dmesg for why it fails); reinstall the driver "
          "with `stepdeploy provision` or reboot into the kernel it was built for"),
+    _sig(DISK_FULL, r"No space left on device|\bENOSPC\b|\[Errno 28\]|\berrno 28\b|size mismatch in put",
+         "a node's disk (or its quota) is full: a write failed with ENOSPC (errno 28), or an upload arrived short "
+         "(paramiko's `size mismatch in put`)",
+         "free space on the node (`df -h` of its run and checkpoint directory): delete old runs or checkpoints, "
+         "keep fewer checkpoints, or point --remote-dir at a larger disk; then `stepdeploy rollout resume`"),
     _sig("cuda_oom", r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory",
          "a rank ran out of GPU memory",
          "lower the micro-batch size, enable (more) activation recompute, raise TP/PP/EP, set "
@@ -101,6 +113,12 @@ def _xid_detail(lines: list[str]) -> tuple[str, str]:
                 "fix the job (illegal address, memory fault, timeout); the hardware is not suspect")
     return (f"XID {', '.join(map(str, codes))} (not in the lists: look it up in NVIDIA's XID catalog)",
             "read NVIDIA's XID catalog for the code; drain the node if it names hardware")
+
+
+def attempt_lines(lines: list[str]) -> list[str]:
+    """The lines after the last ATTEMPT_MARKER (every line when there is none: one attempt, or its own tail)."""
+    last = max((i for i, line in enumerate(lines) if ATTEMPT_MARKER in line), default=-1)
+    return lines[last + 1:]
 
 
 def diagnose(text: str) -> list[Diagnosis]:

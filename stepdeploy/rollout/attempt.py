@@ -23,6 +23,7 @@ from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_run
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
 from stepdeploy.render.build import choose_layout, shipped_dataset, write_run
 from stepdeploy.render.manifest import read_manifest
+from stepdeploy.rollout.clock import REAL, Clock
 from stepdeploy.rollout.ladder import Rung, sub_cluster
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def metric_time(metrics_line: dict[str, Any]) -> float:
 
 def follow(executor: FabricExecutor, live: Live, *, deadline: float, interval: float,
            should_stop: Callable[[], bool], on_tick: Callable[[Live], None],
-           check: Callable[[RunStatus], str | None] | None = None) -> tuple[RunStatus, str]:
+           check: Callable[[RunStatus], str | None] | None = None, clock: Clock = REAL) -> tuple[RunStatus, str]:
     """Poll until the run ends, the deadline passes or a stop is requested; returns (status, why it ended).
     `check` (the soak's monitors and fault injection) sees every poll; a reason it returns ends the follow.
     A requested stop is looked at first: ranks that `rollout stop` killed are a stop, not a crash to restart."""
@@ -148,9 +149,9 @@ def follow(executor: FabricExecutor, live: Live, *, deadline: float, interval: f
             return status, reason
         if not status.running:
             return status, "exited"
-        if time.time() >= deadline:
+        if clock.time() >= deadline:
             return status, "deadline"
-        time.sleep(interval)
+        clock.sleep(interval)
 
 
 def downsample(metrics: list[dict[str, Any]], limit: int = 400) -> list[dict[str, Any]]:

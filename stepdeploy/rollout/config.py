@@ -19,6 +19,10 @@ class StageFailed(StepdeployError):
     """A gate failed or a stage could not complete; the rollout stops there (and can be resumed)."""
 
 
+class StageStopped(StageFailed):
+    """`rollout stop` asked the stage to stop: it ends `stopped`, not failed (and can be resumed)."""
+
+
 # How pydantic validates these dataclasses when a configuration is read back (no unknown keys, finite numbers).
 PYDANTIC_CONFIG = {"extra": "forbid", "allow_inf_nan": False}
 

@@ -7,10 +7,11 @@
                                 (default 60 s); the simulated node is killed outright (its whole process tree)
 
 R is a rank number, `first` or `last`; N a node's 1-based index in the run, its name, `first` or `last`;
-T and D durations like 90s, 10m, 1h (T from the soak's start). Parsing is pure; the actions (`fire`) go
-through the executor's run_command where they can, and act on the host for the simulated cluster (its
-network namespaces, its node processes). Every action is recorded in the ledger *before* it is taken, so a
-resumed controller never fires an injection twice.
+T and D durations like 90s, 10m, 1h (T from the soak's start). Parsing is pure; the actions go through the
+executor's run_command; `link-down` and `node-loss` through a FaultActions strategy the caller passes
+(NodeFaults here, for real nodes; the CLI passes stepdeploy.sim.faults' for the simulated cluster, which acts
+on the host: its network namespaces, its node processes). Every action is recorded in the ledger *before* it
+is taken, so a resumed controller never fires an injection twice.
 
 On the simulated cluster a node's eth0 carries both SSH and the training traffic, so `link-down` there cuts
 the controller off from the node too; on real nodes the training fabric and the management network differ.
@@ -22,13 +23,11 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from stepdeploy.errors import BadInput
+from stepdeploy.inventory.model import Node
 
 KINDS = ("kill", "hang", "link-down", "node-loss")
 RANK_KINDS, NODE_KINDS = ("kill", "hang"), ("link-down", "node-loss")
@@ -174,60 +173,33 @@ def guarded_sshd_stop_command(for_s: float) -> str:
     return f"setsid sh -c {shlex.quote(script)} >/dev/null 2>&1 </dev/null & echo started"
 
 
-# --- the simulated cluster (host side) --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SimNode:
-    state_dir: Path
-    name: str
-    netns: str
+# --- the node-level faults: a strategy (real nodes here; the simulated cluster's in stepdeploy/sim/faults.py) --
+class FaultActions(Protocol):
+    """How `link-down` and `node-loss` act on a node; each returns (ok, what was done). The run's processes on
+    a lost node are killed by the Injector before `node_loss` (through the executor, for every strategy)."""
+
+    def link_down(self, executor: Any, node: Node, iface: str, for_s: float) -> tuple[bool, str]: ...
+
+    def node_loss(self, executor: Any, node: Node, for_s: float) -> tuple[bool, str]: ...
 
 
-def sim_node(inventory: str, node: str, address: str) -> SimNode | None:
-    """The simulated node behind an inventory host (the inventory sim up wrote lies beside its state), or None."""
-    from stepdeploy.sim import state as simstate
-
-    state_dir = Path(inventory).resolve().parent
-    sim = simstate.load(state_dir)
-    found = sim.node(node) if sim else None
-    if found is None or found.address != address:
-        return None
-    return SimNode(state_dir, found.name, found.netns)
+def run_on(executor: Any, node: str, command: str) -> tuple[bool, str]:
+    """`command` on one node of the run through the executor: (ok, its output's last 300 characters)."""
+    targets = [t for t in executor.targets if t.name == node]
+    result = executor.run_command(command, targets)[0]
+    return result.ok, (result.stdout.strip() or result.stderr.strip())[-300:]
 
 
-def sim_link(netns: str, iface: str, up: bool) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", "-n", netns, "link", "set", iface, "up" if up else "down"], capture_output=True,
-                          text=True, check=False)
+class NodeFaults:
+    """Real nodes: a detached script on the node acts and always undoes it after D, even if SSH dies."""
 
+    def link_down(self, executor: Any, node: Node, iface: str, for_s: float) -> tuple[bool, str]:
+        ok, out = run_on(executor, node.name, guarded_link_down_command(iface, for_s))
+        return ok, f"{iface} down on {node.name} for {for_s:.0f} s (guarded on the node)" + ("" if ok else out)
 
-def sim_link_guard(netns: str, iface: str, for_s: float) -> None:
-    """A detached host process that brings the link back after `for_s`, even if the controller dies."""
-    script = f"sleep {int(for_s)}; ip -n {shlex.quote(netns)} link set {shlex.quote(iface)} up"
-    subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def sim_kill_node(node: SimNode) -> None:
-    """The node is gone: its whole process tree (sshd included) killed, as a power loss would."""
-    from stepdeploy.sim import node as simnode
-    from stepdeploy.sim import state as simstate
-
-    sim = simstate.load(node.state_dir)
-    found = sim.node(node.name) if sim else None
-    if found is not None:
-        simnode.stop(found)
-
-
-def sim_revive_guard(node: SimNode, for_s: float) -> None:
-    """A detached host process that starts the simulated node again after `for_s` (`sim up` of its cluster)."""
-    code = ("import sys, time; from pathlib import Path; time.sleep(float(sys.argv[1])); "
-            "from stepdeploy.sim import state; from stepdeploy.sim.cluster import SimConfig, up; "
-            "s = state.load(Path(sys.argv[2])); "
-            "up(SimConfig(name=s.name, subnet=s.subnet, http_port=s.http_port, state_dir=Path(sys.argv[2])), "
-            "len(s.nodes))")
-    log = open(node.state_dir / f"revive-{node.name}.log", "ab")  # noqa: SIM115 (handed to the child)
-    with log:
-        subprocess.Popen([sys.executable, "-c", code, str(for_s), str(node.state_dir)], stdin=subprocess.DEVNULL,
-                         stdout=log, stderr=log, start_new_session=True)
+    def node_loss(self, executor: Any, node: Node, for_s: float) -> tuple[bool, str]:
+        ok, out = run_on(executor, node.name, guarded_sshd_stop_command(for_s))
+        return ok, f"sshd stopped on {node.name} for {for_s:.0f} s" + ("" if ok else f": {out}")
 
 
 # --- firing (side effects; called from the soak's follow loop) --------------------------------------------------
@@ -235,9 +207,11 @@ class Injector:
     """Fires the due injections of a soak through `executor`, each recorded in the ledger before it acts."""
 
     def __init__(self, injections: list[Injection], *, ledger: Any, run_id: str, cluster: Any, executor: Any,
-                 started: float) -> None:
+                 started: float, faults: FaultActions | None = None) -> None:
+        """`faults`: how link-down and node-loss act (None: on real nodes, NodeFaults)."""
         self.injections, self.ledger, self.run_id = injections, ledger, run_id
         self.cluster, self.executor, self.started = cluster, executor, started
+        self.faults: FaultActions = faults or NodeFaults()
         self.fired = {e["data"].get("spec") for e in ledger.events(run_id) if e["kind"] == "inject"}
 
     def tick(self, status: Any, now: float) -> list[str]:
@@ -270,36 +244,16 @@ class Injector:
             return None if found is None else {"node": found.node, "rank": rank, "pid": found.pid}
         return {"node": resolve_node(inj, [n.node for n in status.nodes])}
 
-    def _run(self, node: str, command: str) -> tuple[bool, str]:
-        targets = [t for t in self.executor.targets if t.name == node]
-        result = self.executor.run_command(command, targets)[0]
-        return result.ok, (result.stdout.strip() or result.stderr.strip())[-300:]
-
     def _act(self, inj: Injection, target: dict[str, Any]) -> tuple[bool, str]:
         node = target["node"]
         if inj.kind in RANK_KINDS:
             sig = "9" if inj.kind == "kill" else "STOP"
-            ok, out = self._run(node, signal_rank_command(target["pid"], sig))
+            ok, out = run_on(self.executor, node, signal_rank_command(target["pid"], sig))
             return ok, f"kill -{sig} {target['pid']} on {node}" + ("" if ok else f": {out}")
         inventory_node = self.cluster.node(node)
-        sim = sim_node(str(self.cluster.source), node, inventory_node.address)
         for_s = float(inj.for_s or DEFAULT_FOR_S)
         if inj.kind == "link-down":
-            iface = inventory_node.train_iface or "eth0"
-            if sim is None:
-                ok, out = self._run(node, guarded_link_down_command(iface, for_s))
-                return ok, f"{iface} down on {node} for {for_s:.0f} s (guarded on the node)" + ("" if ok else out)
-            res = sim_link(sim.netns, iface, up=False)
-            if res.returncode != 0:
-                return False, f"ip -n {sim.netns} link set {iface} down: {res.stderr.strip()}"
-            sim_link_guard(sim.netns, iface, for_s)
-            return True, f"ip -n {sim.netns} link set {iface} down; up again in {for_s:.0f} s"
-        ok, out = self._run(node, kill_run_command(self.executor.run_id))
-        if sim is None:
-            ok2, out2 = self._run(node, guarded_sshd_stop_command(for_s))
-            return ok and ok2, f"run's processes killed and sshd stopped on {node} for {for_s:.0f} s" + (
-                "" if ok and ok2 else f": {out} {out2}")
-        sim_kill_node(sim)
-        sim_revive_guard(sim, for_s)
-        return True, f"run's processes killed ({'ok' if ok else out}), simulated node {node} killed (sshd and " \
-                     f"every process); it starts again in {for_s:.0f} s"
+            return self.faults.link_down(self.executor, inventory_node, inventory_node.train_iface or "eth0", for_s)
+        ok, out = run_on(self.executor, node, kill_run_command(self.executor.run_id))
+        lost, detail = self.faults.node_loss(self.executor, inventory_node, for_s)
+        return ok and lost, f"run's processes killed ({'ok' if ok else out}), {detail}"

@@ -1,14 +1,18 @@
 """The rollout controller: stages in order, each gated; every transition written to the ledger before it is
-acted on, so `rollout resume` continues after any crash of the controller (kill -9 included)."""
+acted on, so `rollout resume` continues after any crash of the controller (kill -9 included).
+
+Every attempt ends in a final state: passed, failed (a gate, a failed run, or any error on the way: a launch
+refused by a node, an unreachable node, a full disk), or stopped (`rollout stop`). A stop ends the stage and
+the run `stopped` (StageStopped), never `failed`."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stepdeploy.errors import BadInput
+from stepdeploy.errors import BadInput, StepdeployError
 from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, NotALedger
@@ -16,7 +20,7 @@ from stepdeploy.monitor import diagnose
 from stepdeploy.monitor.parse_workload import METRIC_NAMES  # the names the report plots
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
-from stepdeploy.rollout import gates, soak
+from stepdeploy.rollout import gates, recovery, soak
 from stepdeploy.rollout.attempt import (
     Live,
     executor_for,
@@ -26,18 +30,31 @@ from stepdeploy.rollout.attempt import (
     read_metrics,
     render_attempt,
 )
-from stepdeploy.rollout.config import RolloutConfig, StageFailed
+from stepdeploy.rollout.clock import REAL, Clock
+from stepdeploy.rollout.config import RolloutConfig, StageFailed, StageStopped
+from stepdeploy.rollout.inject import FaultActions
 from stepdeploy.rollout.ladder import STAGES, Rung, scale_ladder, target_rung
 
 
 class Rollout:
     def __init__(self, run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig,
-                 on_tick: Callable[[Live], None] = lambda _live: None, cluster: Cluster | None = None) -> None:
-        """`cluster`: the inventory as the CLI accepted it (host-key checking); None: read config.inventory."""
+                 on_tick: Callable[[Live], None] = lambda _live: None, cluster: Cluster | None = None, *,
+                 clock: Clock = REAL, executors: Callable[[Cluster, Path], Any] | None = None,
+                 faults: FaultActions | None = None) -> None:
+        """`cluster`: the inventory as the CLI accepted it (host-key checking); None: read config.inventory.
+        `clock`: time and sleep (a test's jumps); `executors`: (cluster, local run directory) -> the executor of
+        that run (default: the one its manifest names); `faults`: how the soak's link-down and node-loss act
+        (default: on real nodes; the CLI passes the simulated cluster's)."""
         self.run_dir, self.ledger, self.run_id, self.config = run_dir, ledger, run_id, config
         self.cluster: Cluster = cluster or load_cluster(config.inventory)
         self.on_tick = on_tick
         self.live = Live()
+        self.clock, self.faults = clock, faults
+        self._executors = executors
+
+    def executor_for(self, local: Path) -> Any:
+        """The executor of the run rendered in `local` (a context manager)."""
+        return (self._executors or executor_for)(self.cluster, local)
 
     # --- the whole run -------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -47,7 +64,7 @@ class Rollout:
                              f"({', '.join(STAGES)}); not a ledger this stepdeploy wrote")
         self.ledger.set_run_status(self.run_id, "running")
         while (stage := self.ledger.next_stage(self.run_id)) is not None:
-            if self._stop_requested():
+            if self.stop_requested():
                 self.ledger.set_stage(self.run_id, stage.name, "stopped", "stop requested")
                 self.ledger.set_run_status(self.run_id, "stopped")
                 return
@@ -57,6 +74,10 @@ class Rollout:
                     getattr(self, f"_{stage.name}")()
                 except BadInput as exc:  # met once the rollout runs (a rendering refused): the stage fails
                     raise StageFailed(f"{stage.name}: {exc.message}", hint=exc.hint) from None
+            except StageStopped as exc:
+                self.ledger.set_stage(self.run_id, stage.name, "stopped", exc.message)
+                self.ledger.set_run_status(self.run_id, "stopped")
+                raise
             except StageFailed as exc:
                 self.ledger.set_stage(self.run_id, stage.name, "failed", exc.message)
                 self.ledger.set_run_status(self.run_id, "failed")
@@ -64,8 +85,20 @@ class Rollout:
             self.ledger.set_stage(self.run_id, stage.name, "passed")
         self.ledger.set_run_status(self.run_id, "passed")
 
-    def _stop_requested(self) -> bool:
+    def stop_requested(self) -> bool:
         return (self.run_dir / "STOP").exists()
+
+    @contextmanager
+    def finishes(self, attempt: int) -> Iterator[None]:
+        """An error that ends the block leaves the attempt failed with it, never `running` (a controller killed
+        outright leaves it running on purpose: `rollout resume` re-attaches to its processes)."""
+        try:
+            yield
+        except Exception as exc:
+            if any(a["id"] == attempt and a["status"] == "running" for a in self.ledger.attempts(self.run_id)):
+                why = exc.message if isinstance(exc, StepdeployError) else f"{type(exc).__name__}: {exc}"
+                self.ledger.finish_attempt(attempt, "failed", {"why": why})
+            raise
 
     # --- stages ----------------------------------------------------------------------------------------------
     def _warmup(self) -> None:
@@ -123,14 +156,20 @@ class Rollout:
                        extra: Callable[[list[dict[str, Any]], dict[str, Any]], list[gates.GateVerdict]] | None = None,
                        ) -> tuple[list[dict[str, Any]], dict[str, Any], Any]:
         attempt, local, summary, reattach = self._attempt_for(stage, rung, iterations)
-        with executor_for(self.cluster, local) as executor:
-            status, why = self._launch_and_follow(executor, local, stage, rung, iterations,
-                                                  time.time() + self.config.attempt_timeout_s, reattach=reattach)
+        with self.finishes(attempt), self.executor_for(local) as executor:
+            status, why = self.launch_and_follow(executor, local, stage, rung, iterations,
+                                                 self.clock.time() + self.config.attempt_timeout_s, reattach=reattach,
+                                                 label=f"{stage}/{rung.name} attempt {attempt}")
             metrics = self._collect(executor, local, attempt)
+            if why == "stop requested":
+                self.ledger.finish_attempt(attempt, "stopped", {"why": "stop requested"})
+                if stage == "scale":
+                    self.ledger.set_rung(self.run_id, stage, rung.name, "stopped", "stop requested")
+                raise StageStopped(f"{stage}/{rung.name}: stopped on request")
             culprits = status.culprits() or [why]
             if not (status.finished_ok and why == "exited"):  # a known signature in the logs says why, first
-                culprits = [f"{d.signature}: {d.cause}" for d in diagnose.diagnose(
-                    "\n".join(line for lines in executor.logs(tail=400).values() for line in lines))] + culprits
+                culprits = [f"{d.signature}: {d.cause}" for d in diagnose.diagnose("\n".join(
+                    recovery.attempt_log_lines(executor, [t.name for t in executor.targets])))] + culprits
         verdicts = [gates.completed(status.finished_ok and why == "exited", culprits), gates.losses_finite(metrics)]
         if extra is not None and verdicts[0].passed:
             verdicts += extra(metrics, summary)
@@ -145,7 +184,7 @@ class Rollout:
             left = mine[-1]
             local = Path(str(left["detail"].get("local_run") or self.run_dir / "attempts" / "missing"))
             try:
-                with executor_for(self.cluster, local) as executor:
+                with self.executor_for(local) as executor:
                     status = executor.poll()
             except BadInput as exc:  # its run directory is gone or damaged: nothing to re-attach to
                 self.ledger.finish_attempt(left["id"], "failed", {"reason": f"cannot re-attach: {exc.message}"})
@@ -180,26 +219,38 @@ class Rollout:
                              executor=self.config.executor,  # None: the inventory's stepdeploy_executor
                              data=self.config.data, warmup_iterations=warmup, decay_iterations=decay)
 
-    def _launch_and_follow(self, executor: FabricExecutor, local: Path, stage: str, rung: Rung, total: int | None,
-                           deadline: float, *, reattach: bool = False,
-                           check: Callable[[Any], str | None] | None = None) -> tuple[Any, str]:
-        for step in () if reattach else (executor.prepare, executor.start):
-            results = step(local) if step == executor.prepare else step()
-            bad = [r for r in results if not r.ok]
-            if bad:
-                raise StageFailed(f"{stage}/{rung.name}: {bad[0].node}: {bad[0].detail}")
-        self.live = Live(stage=stage, rung=rung.name, total=total, started=time.time(), deadline=deadline)
-        status, why = follow(executor, self.live, deadline=deadline, interval=self.config.poll_interval_s,
-                             should_stop=self._stop_requested, on_tick=self.on_tick, check=check)
+    def launch_and_follow(self, executor: FabricExecutor, local: Path, stage: str, rung: Rung, total: int | None,
+                          deadline: float, *, reattach: bool = False, check: Callable[[Any], str | None] | None = None,
+                          label: str = "") -> tuple[Any, str]:
+        """Upload and start the run (unless re-attaching), then follow it; an attempt marker goes into the
+        run's logs before the start, so that its diagnosis reads its own lines only. A launch refused by a node
+        raises StageFailed naming it (a full disk as such); an error while following stops the run first."""
+        if not reattach:
+            self._launch(executor, local, f"{stage}/{rung.name}", label or f"{stage}/{rung.name}")
+        self.live = Live(stage=stage, rung=rung.name, total=total, started=self.clock.time(), deadline=deadline)
+        try:
+            status, why = follow(executor, self.live, deadline=deadline, interval=self.config.poll_interval_s,
+                                 should_stop=self.stop_requested, on_tick=self.on_tick, check=check, clock=self.clock)
+        except Exception:
+            executor.stop()  # nothing is left running behind an attempt that ends with an error
+            raise
         if status.running:
             executor.stop()
         return status, why
 
-    def _collect(self, executor: FabricExecutor, local: Path, attempt: int) -> list[dict[str, Any]]:
-        return self._collect_since(executor, local, attempt, 0.0)
+    def _launch(self, executor: Any, local: Path, where: str, label: str) -> None:
+        bad = [r for r in executor.prepare(local) if not r.ok]
+        if not bad:
+            executor.run_command(recovery.marker_command(label, self.clock.time()))  # best effort: see above
+            bad = [r for r in executor.start() if not r.ok]
+        if bad:
+            raise StageFailed(recovery.launch_failure(executor, where, bad))
 
-    def _collect_since(self, executor: FabricExecutor, local: Path, attempt: int, since: float
-                       ) -> list[dict[str, Any]]:
+    def _collect(self, executor: FabricExecutor, local: Path, attempt: int) -> list[dict[str, Any]]:
+        return self.collect_since(executor, local, attempt, 0.0)
+
+    def collect_since(self, executor: FabricExecutor, local: Path, attempt: int, since: float
+                      ) -> list[dict[str, Any]]:
         """Fetch the run's files; metrics lines written since `since` go to the ledger (a restarted soak
         appends to the same metrics file, so earlier attempts' lines are not counted twice)."""
         fetched = local / "fetched"

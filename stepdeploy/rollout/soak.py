@@ -7,12 +7,16 @@ every process of the run stopped on every node and shown to be gone, a lost node
 ranks' logs diagnosed, the run restarted from its last complete checkpoint (the same run directory: the
 workload resumes from `latest`) up to `soak_max_restarts`; restarts without progress stop the soak early.
 Every step is a ledger event. The soak clock is the stage's first start in the ledger, so a resumed
-controller continues the same soak (and does not fire an injection twice)."""
+controller continues the same soak (and does not fire an injection twice). Time is read from the rollout's
+clock (rollout/clock.py) and the nodes are reached through its executor factory, so the state machine runs
+against stepdeploy.testing's scripted executor in a unit test.
+
+A stop requested while the soak restarts (`rollout stop` between a failure and the next launch, or while a
+lost node is waited for) launches nothing more: the stage ends `stopped`, as a stop during a run does."""
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,15 +26,16 @@ from stepdeploy.monitor import classify, diagnose
 from stepdeploy.monitor.classify import Classification
 from stepdeploy.monitor.model import Thresholds
 from stepdeploy.rollout import checkpoint_interval, gates, goodput, inject, monitors, training_gates
-from stepdeploy.rollout.attempt import executor_for, read_metrics, read_phases, render_attempt
-from stepdeploy.rollout.config import AUTO, StageFailed
+from stepdeploy.rollout.attempt import read_metrics, read_phases, render_attempt
+from stepdeploy.rollout.clock import REAL, Clock
+from stepdeploy.rollout.config import AUTO, StageFailed, StageStopped
 from stepdeploy.rollout.ladder import target_rung
+from stepdeploy.rollout.recovery import CLEAR_RANK_FILES, event, recover
 
 if TYPE_CHECKING:
     from stepdeploy.rollout.runner import Rollout
 
 SOAK_ITERATIONS = 10**9  # the soak ends by time, not by count
-CLEAR_RANK_FILES = "rm -f -- out/status/rank* out/heartbeat/rank*"  # a new attempt must not read the last one's
 
 
 @dataclass
@@ -43,9 +48,10 @@ class Watch:
     live_goodput: goodput.LiveGoodput
     verdict: Classification | None = None
     detected_at: float | None = None
+    clock: Clock = REAL
 
     def check(self, status: Any) -> str | None:
-        now = time.time()
+        now = self.clock.time()
         self.live_goodput.observe(self.r.live.last)
         self.r.live.goodput = self.live_goodput.ratio(now)
         if self.injector is not None:
@@ -56,7 +62,7 @@ class Watch:
                                   self.r.config.heartbeat_timeout_s, self.monitor.proc_states())
         if verdict is None:
             return None
-        now = time.time()  # the injection or the monitor round above may have taken a while
+        now = self.clock.time()  # the injection or the monitor round above may have taken a while
         self.verdict, self.detected_at = verdict, now
         _event(self.r, "detected", f"{verdict.kind} detected on {verdict.node or 'the network'}"
                + (f" (rank {verdict.rank})" if verdict.rank is not None else "") + f": {verdict.evidence[0]}",
@@ -64,22 +70,21 @@ class Watch:
         return f"failure: {verdict.kind}"
 
 
-def _event(r: Rollout, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-    r.ledger.event(r.run_id, kind, message, stage="soak", data=data)
+_event = event
 
 
 def run_soak(r: Rollout) -> None:
     """The soak; its goodput is recorded when it ends, passed, failed or stopped."""
     rung = target_rung(r.cluster, r.config.model)
     stage = next(s for s in r.ledger.stages(r.run_id) if s.name == "soak")
-    soak_started = stage.started or time.time()
+    soak_started = stage.started or r.clock.time()
     local = _soak_dir(r, rung)
     try:
         _soak(r, rung, local, soak_started)
     except StageFailed:
-        _record_goodput(r, local, soak_started)
+        _record_goodput(r, local, soak_started, r.clock.time())
         raise
-    _record_goodput(r, local, soak_started)
+    _record_goodput(r, local, soak_started, r.clock.time())
 
 
 def _soak(r: Rollout, rung: Any, local: Path, soak_started: float) -> None:
@@ -94,40 +99,60 @@ def _soak(r: Rollout, rung: Any, local: Path, soak_started: float) -> None:
         if current is not None and not alive:  # it died while no controller watched: a failure, restart it
             r.ledger.finish_attempt(current["id"], "failed", {"why": "processes gone while no controller ran"})
             continue
+        if current is None and r.stop_requested():  # between a failure and its restart: launch nothing more
+            raise StageStopped("soak: stopped on request" + (" before its restart" if restarts else ""))
         attempt = current["id"] if current else r.ledger.start_attempt(
             r.run_id, "soak", rung.name, {"local_run": str(local), "rung": rung.as_dict(), "restart": restarts})
-        started = current["started"] if current else time.time()
         if alive and current is not None:
             _event(r, "attempt", f"soak attempt {current['number']} re-attached: its processes outlived the controller")
-        with executor_for(r.cluster, local) as executor:
-            if not alive and restarts:  # also after a controller that died mid-recovery (best effort: see _recover)
-                executor.run_command(CLEAR_RANK_FILES)
-            watch = _watch(r, executor, local, injections, soak_started)
-            status, why = r._launch_and_follow(executor, local, "soak", rung, None, deadline, reattach=alive,
-                                               check=watch.check)
-            metrics = r._collect_since(executor, local, attempt, started)
-            if why == "deadline":
-                r.ledger.finish_attempt(attempt, "passed", _detail(metrics, "soak duration reached"))
-                _final_gates(r, rung.name, restarts, local)
+        with r.finishes(attempt):
+            cause = _one_attempt(r, rung, local, attempt, current["started"] if current else r.clock.time(),
+                                 (alive, restarts), (injections, soak_started, deadline))
+            if cause is None:
                 return
-            if why == "stop requested":
-                r.ledger.finish_attempt(attempt, "stopped", _detail(metrics, "stop requested"))
-                raise StageFailed("soak stopped on request")
-            verdict = watch.verdict or classify.classify(status, monitors.fail_findings(watch.monitor.findings),
-                                                         r.config.heartbeat_timeout_s)
-            cause = _cause(verdict, status, why)
-            if watch.verdict is None:
-                _event(r, "detected", f"run ended: {cause}", {**(verdict.to_json() if verdict else {}),
-                                                              "time": time.time()})
-            iteration = monitors.progress_iteration(status)
-            r.ledger.finish_attempt(attempt, "failed", {**_detail(metrics, cause), "kind": verdict.kind if verdict
-                                                        else None, "failed_at_iteration": iteration})
-            _event(r, "failure", f"soak run failed: {cause}", {"kind": verdict.kind if verdict else None,
-                                                               "iteration": iteration})
-            _recover(r, executor, watch.monitor, verdict)
         _check_limits(r, rung.name, restarts, cause)
+        if r.stop_requested():  # `rollout stop` during the recovery: no restart
+            raise StageStopped("soak: stopped on request before its restart")
         _event(r, "restart", f"restarting the soak from its last checkpoint ({restarts + 1} of "
-               f"{r.config.soak_max_restarts})", {"restart": restarts + 1, "time": time.time()})
+               f"{r.config.soak_max_restarts})", {"restart": restarts + 1, "time": r.clock.time()})
+
+
+def _one_attempt(r: Rollout, rung: Any, local: Path, attempt: int, started: float, state: tuple[bool, int],
+                 plan: tuple[list[inject.Injection], float, float]) -> str | None:
+    """Launch (or re-attach to) the attempt and follow it to its end: None when the soak passed its duration,
+    else the failure's cause (the attempt recorded failed, the run stopped everywhere and diagnosed)."""
+    (alive, restarts), (injections, soak_started, deadline) = state, plan
+    with r.executor_for(local) as executor:
+        if not alive and restarts:  # also after a controller that died mid-recovery (best effort: see recover)
+            executor.run_command(CLEAR_RANK_FILES)
+        watch = _watch(r, executor, local, injections, soak_started)
+        status, why = r.launch_and_follow(executor, local, "soak", rung, None, deadline, reattach=alive,
+                                          check=watch.check, label=f"soak attempt {attempt}")
+        metrics = r.collect_since(executor, local, attempt, started)
+        if why == "deadline":
+            r.ledger.finish_attempt(attempt, "passed", _detail(metrics, "soak duration reached"))
+            _final_gates(r, rung.name, restarts, local)
+            return None
+        if why == "stop requested":
+            r.ledger.finish_attempt(attempt, "stopped", _detail(metrics, "stop requested"))
+            raise StageStopped("soak: stopped on request")
+        verdict = watch.verdict or classify.classify(status, monitors.fail_findings(watch.monitor.findings),
+                                                     r.config.heartbeat_timeout_s)
+        cause = _cause(verdict, status, why)
+        if watch.verdict is None:
+            _event(r, "detected", f"run ended: {cause}", {**(verdict.to_json() if verdict else {}),
+                                                          "time": r.clock.time()})
+        iteration = monitors.progress_iteration(status)
+        r.ledger.finish_attempt(attempt, "failed", {**_detail(metrics, cause), "kind": verdict.kind if verdict
+                                                    else None, "failed_at_iteration": iteration})
+        _event(r, "failure", f"soak run failed: {cause}", {"kind": verdict.kind if verdict else None,
+                                                           "iteration": iteration})
+        found = recover(r, executor, watch.monitor, verdict)
+    full = next((d for d in found if d.signature == diagnose.DISK_FULL), None)
+    if full is not None:  # a restart would meet the same full disk (and fail in its upload): say so, once
+        where = f" on {verdict.node}" if verdict and verdict.node else ""
+        raise StageFailed(f"soak: no space left on device{where}: {full.evidence.split(' | ', 1)[-1]}", hint=full.fix)
+    return cause
 
 
 def _check_injections(injections: list[inject.Injection], local: Path, world: int) -> None:
@@ -148,9 +173,10 @@ def _watch(r: Rollout, executor: Any, local: Path, injections: list[inject.Injec
                                    r.run_dir / "monitor" / "stepdeploy.prom", limits,
                                    lambda kind, msg, data: _event(r, kind, msg, data), r.config.monitor_interval_s)
     injector = inject.Injector(injections, ledger=r.ledger, run_id=r.run_id, cluster=r.cluster, executor=executor,
-                               started=soak_started) if injections else None
+                               started=soak_started, faults=r.faults) if injections else None
     # the live ratio starts from the lines the earlier attempts' collection fetched (local files, no new fetch)
-    return Watch(r, monitor, injector, goodput.LiveGoodput(soak_started, read_metrics(local / "fetched")))
+    return Watch(r, monitor, injector, goodput.LiveGoodput(soak_started, read_metrics(local / "fetched")),
+                 clock=r.clock)
 
 
 def _cause(verdict: Classification | None, status: Any, why: str) -> str:
@@ -159,90 +185,6 @@ def _cause(verdict: Classification | None, status: Any, why: str) -> str:
     where = f" on {verdict.node}" if verdict.node else ""
     rank = f" rank {verdict.rank}" if verdict.rank is not None else ""
     return f"{verdict.kind}{where}{rank}: {verdict.evidence[0]}"
-
-
-def _recover(r: Rollout, executor: Any, monitor: monitors.SoakMonitor, verdict: Classification | None
-             ) -> Classification | None:
-    """Stop everything (and show it), wait for lost nodes, diagnose, clear the rank files for the next attempt."""
-    _stop_and_prove(r, executor)
-    lost = monitors.unreachable_nodes(executor.poll())
-    if lost:
-        back = _wait_for_nodes(r, executor, lost)
-        if not back:
-            raise StageFailed(f"soak: node(s) {', '.join(lost)} lost and not back within {r.config.node_wait_s:.0f} s")
-        status = executor.poll()  # the node is back: what do its counters say now?
-        _stop_and_prove(r, executor)
-        _clear_rank_files(executor)  # its dead ranks' files would read as hung ranks
-        again = _reclassify(r, monitor, status, verdict)
-        verdict = again or verdict
-    _diagnose(r, executor, verdict)
-    node = verdict.node if verdict else None
-    _event(r, "preflight", f"preflight of the suspect node {node or '(none)'} skipped: the soak restarts on the same "
-           "nodes; run `stepdeploy preflight` on it if the failure repeats", {"node": node})
-    _clear_rank_files(executor)
-    return verdict
-
-
-def _clear_rank_files(executor: Any) -> None:
-    bad = [c.node for c in executor.run_command(CLEAR_RANK_FILES) if not c.ok]
-    if bad:
-        raise StageFailed(f"soak: cannot clear the rank files on {', '.join(bad)} before the restart")
-
-
-def _stop_and_prove(r: Rollout, executor: Any) -> None:
-    stops = executor.stop()
-    left = {s.node: list(s.left) for s in stops if s.left}
-    unreachable = [s.node for s in stops if not s.ok and not s.left]
-    parts = [f"{s.node}: {s.detail}" for s in stops]
-    _event(r, "stop", "stop: " + "; ".join(parts), {"ok": all(s.ok for s in stops), "left": left,
-                                                   "unreachable": unreachable,
-                                                   "killed": {s.node: list(s.killed) for s in stops}})
-    if left:
-        raise StageFailed(f"soak: processes of the run survived the stop: {left}")
-
-
-def _wait_for_nodes(r: Rollout, executor: Any, lost: list[str]) -> bool:
-    _event(r, "node-wait", f"waiting up to {r.config.node_wait_s:.0f} s for {', '.join(lost)} to come back", {})
-    until = time.time() + r.config.node_wait_s
-    while time.time() < until:
-        still = monitors.unreachable_nodes(executor.poll())
-        if not still:
-            _event(r, "node-wait", f"{', '.join(lost)} reachable again", {"time": time.time()})
-            return True
-        time.sleep(2.0)
-    _event(r, "node-wait", f"{', '.join(lost)} still unreachable after {r.config.node_wait_s:.0f} s", {})
-    return False
-
-
-def _reclassify(r: Rollout, monitor: monitors.SoakMonitor, status: Any, verdict: Classification | None
-                ) -> Classification | None:
-    """A node that was unreachable and came back was not necessarily lost: its interface may have gone down
-    (the simulated nodes carry SSH and training on one interface). Its counters and ranks decide."""
-    if verdict is None or verdict.kind != classify.NODE_LOSS:
-        return None
-    found = monitor.collect(status, time.time())
-    flapped = [f for f in found if f.kind == "link" and f.severity.value == "fail"]
-    if not flapped:
-        _event(r, "classified", f"node-loss confirmed for {verdict.node}: no link flap recorded on its return",
-               verdict.to_json())
-        return None
-    again = Classification(classify.LINK, verdict.node, None,
-                           tuple(f"monitor: {f.node} {f.subject}: {f.message}" for f in flapped) + verdict.evidence)
-    _event(r, "classified", f"re-classified as link: {again.evidence[0]}", again.to_json())
-    return again
-
-
-def _diagnose(r: Rollout, executor: Any, verdict: Classification | None) -> None:
-    nodes = [verdict.node] if verdict and verdict.node else [t.name for t in executor.targets]
-    logs = executor.logs(tail=400)
-    text = "\n".join(line for n in nodes for line in logs.get(n, []))
-    found = diagnose.diagnose(text)
-    if not found:
-        _event(r, "diagnosis", f"no known failure signature in the last 400 log lines of {', '.join(nodes)}",
-               {"nodes": nodes, "diagnoses": []})
-        return
-    _event(r, "diagnosis", "; ".join(f"{d.signature}: {d.cause}" for d in found),
-           {"nodes": nodes, "diagnoses": [d.to_json() for d in found]})
 
 
 def _check_limits(r: Rollout, rung: str, restarts: int, cause: str) -> None:
@@ -269,7 +211,7 @@ def stalled_restarts(failed_at: list[int | None]) -> int:
 
 
 def _alive(r: Rollout, local: Path) -> bool:
-    with executor_for(r.cluster, local) as executor:
+    with r.executor_for(local) as executor:
         return executor.poll().running
 
 
@@ -304,15 +246,15 @@ def _save_interval(r: Rollout, schedule: SoakSchedule) -> int:
     return interval.iterations
 
 
-def _record_goodput(r: Rollout, local: Path, soak_started: float) -> None:
+def _record_goodput(r: Rollout, local: Path, soak_started: float, ended: float | None = None) -> None:
     """The soak's goodput (rollout/goodput.py) from its fetched metrics and phases and its ledger rows."""
     attempts = r.ledger.attempts(r.run_id, "soak")
     if not attempts:
         return  # it never launched
     events = [e for e in r.ledger.events(r.run_id) if e["stage"] == "soak"]
     fetched = local / "fetched"
-    figures = goodput.breakdown(soak_started, time.time(), read_metrics(fetched), read_phases(fetched), attempts,
-                                events)
+    end = REAL.time() if ended is None else ended
+    figures = goodput.breakdown(soak_started, end, read_metrics(fetched), read_phases(fetched), attempts, events)
     _event(r, "goodput", figures.describe(), figures.to_json())
 
 
