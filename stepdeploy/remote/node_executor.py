@@ -110,8 +110,10 @@ class NodeExecutor:
         run_dir, parent = self.run_dir, str(Path(self.run_dir).parent)
         staging, tarball = f"{run_dir}.staging-{digest}", f"{run_dir}.upload-{digest}.tar.gz"
         # The names below are predictable: only a parent no other user can write keeps them ours (a shared
-        # /tmp would let anyone plant a link the upload follows, or files torchrun imports as root).
-        made = self._sh(target, f"mkdir -p -- {q(parent)} && test -z \"$(find {q(parent)} -maxdepth 0 -perm -0002)\"")
+        # /tmp would let anyone plant a link the upload follows, or files torchrun imports as root). -H: a parent
+        # that is a link (/var/lib/stepdeploy/runs -> /dev/shm/...) is judged by the directory it names.
+        shared = f"find -H {q(parent)} -maxdepth 0 -perm -0002"
+        made = self._sh(target, f"mkdir -p -- {q(parent)} && test -z \"$({shared})\"")
         if not made.ok:
             return NodeResult(target.name, False, f"{parent} is missing or writable by every user; render with a "
                                                   "--remote-dir only root can write (default /var/lib/stepdeploy/runs)")
