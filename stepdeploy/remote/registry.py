@@ -22,6 +22,7 @@ from typing import Any
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.remote.executor import EventSink, Executor, no_events
+from stepdeploy.remote.transport import is_local
 
 EXECUTORS = {
     "fabric": "stepdeploy.remote.fabric_executor",  # SSH to every node (the default)
@@ -43,7 +44,7 @@ def check_kind(kind: str | None, option: str = "--executor") -> str | None:
 def all_local(cluster: Cluster, names: list[str] | None = None) -> bool:
     """Whether the inventory says every node (of `names`, else all) is this machine."""
     nodes = [n for n in cluster.nodes if names is None or n.name in names]
-    return bool(nodes) and all(n.ssh.connection == "local" for n in nodes)
+    return bool(nodes) and all(is_local(n) for n in nodes)
 
 
 def default_kind(cluster: Cluster, requested: str | None = None) -> str:
