@@ -20,6 +20,7 @@ from stepdeploy.cli.output import emit_json, err, info, out, warn
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
+from stepdeploy.remote import registry
 from stepdeploy.render.options import RUN_ID
 from stepdeploy.rollout import gates, training_gates
 from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, StageStopped, parse_checkpoint_interval
@@ -78,8 +79,9 @@ def run_cmd(
     seq: int | None = typer.Option(None, "--seq", min=1, help="Sequence length (default: each model's)."),
     gbs: int | None = typer.Option(None, "--gbs", min=1, help="Global batch size (default: each model's)."),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Default: runs/<model>-<UTC time>."),
-    executor: str | None = typer.Option(None, "--executor", help="fabric (SSH) or slurm (default: the "
-                                        "inventory's stepdeploy_executor, else fabric)."),
+    executor: str | None = typer.Option(None, "--executor", help=f"{registry.HELP} (default: the inventory's "
+                                        "stepdeploy_executor, else local when every host is "
+                                        "ansible_connection=local, else fabric)."),
     inject: list[str] = typer.Option([], "--inject", help="Soak fault, repeatable: kill:rank=last@10m, "
                                      "hang:rank=0@20m, link-down:node=2@30m,for=90s, node-loss:node=2@40m "
                                      "(times from the soak's start; rank: N|first|last; node: 1-based "
@@ -111,8 +113,7 @@ def run_cmd(
         corpus.load(data)  # a missing or changed dataset exits 2 before anything starts
     if config.heartbeat_timeout_s <= 0 or config.monitor_interval_s <= 0:
         raise BadInput("--heartbeat-timeout and --monitor-interval must be longer than 0 s")
-    if executor not in (None, "fabric", "slurm"):
-        raise BadInput(f"--executor {executor!r} is not an executor; use fabric or slurm")
+    registry.check_kind(executor)
     if config.inject and "soak" not in config.stages:
         raise BadInput("--inject acts during the soak; add soak to --stages")
     if config.mtbf_s is not None and config.checkpoint_interval != AUTO:
@@ -387,7 +388,11 @@ def _print_plan(config: RolloutConfig, cluster: Cluster) -> None:
             plan["soak"] |= _auto_interval(cluster, config)
     plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
                         "(torchrun; see `stepdeploy render`)")
-    if (config.executor or cluster.executor) == "slurm":
+    kind = registry.default_kind(cluster, config.executor)
+    if kind == "local":
+        plan["commands"] = ("on this machine, no SSH: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
+                            "(torchrun; see `stepdeploy render`)")
+    if kind == "slurm":
         controller = cluster.slurm.controller or cluster.nodes[0].name
         plan["commands"] = (f"on {controller}: sbatch --parsable <run>/sbatch.sh (one srun task per "
                             f"{cluster.slurm.tasks}: the node's launch.sh or one rank per GPU); squeue/sacct to "

@@ -1,8 +1,10 @@
-"""`stepdeploy run launch|status|logs|stop|fetch RUN_DIR`: drive a rendered run on its nodes over SSH.
+"""`stepdeploy run launch|status|logs|stop|fetch RUN_DIR`: drive a rendered run on its nodes, over SSH (fabric),
+through Slurm, or on this machine without SSH (local).
 
-The run directory's manifest names the nodes and the inventory it was rendered from; the inventory gives
-the SSH settings. The controller keeps no state: every command can be run from a fresh shell, also after
-the controller that launched the run has died.
+The run directory's manifest names the nodes, the inventory it was rendered from and the executor it was
+rendered for; the inventory gives the SSH settings; remote/registry.py decides the executor (--executor
+overrides it). The controller keeps no state: every command can be run from a fresh shell, also after the
+controller that launched the run has died.
 
 Exit codes: 0 ok, 1 the run failed / a node could not be stopped cleanly, 2 bad input, 3 nodes unreachable.
 """
@@ -12,37 +14,38 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
 from stepdeploy import safeio
-from stepdeploy.cli.common import connecting_cluster, finite_option, insecure_option
+from stepdeploy.cli.common import check_host_keys, finite_option, insecure_option
 from stepdeploy.cli.output import emit_json, err, info, out
 from stepdeploy.errors import EXIT_FAILED, EXIT_UNREACHABLE, BadInput
-from stepdeploy.remote.executor import UNREACHABLE, LogCursor, NodeResult, RunStatus
+from stepdeploy.inventory import load_cluster
+from stepdeploy.remote import registry
+from stepdeploy.remote.executor import UNREACHABLE, Executor, LogCursor, NodeResult, RunStatus
 from stepdeploy.render.manifest import inventory_of, read_manifest
 
-if TYPE_CHECKING:
-    from stepdeploy.remote.fabric_executor import FabricExecutor
-
-app = typer.Typer(help="Launch, follow and stop a rendered run on its nodes (SSH).",
+app = typer.Typer(help="Launch, follow and stop a rendered run on its nodes (SSH, Slurm, or this machine).",
                   epilog="Example: stepdeploy run launch runs/r1 --follow && stepdeploy run stop runs/r1",
                   no_args_is_help=True)
 RUN = typer.Argument(..., help="Run directory written by `stepdeploy render`.")
 INVENTORY = typer.Option(None, "--inventory", "-i", help="Inventory (default: the one the run was rendered from).")
 JSON = typer.Option(False, "--json", help="Print JSON to stdout.")
 INSECURE = insecure_option()
+EXECUTOR = typer.Option(None, "--executor", help=f"{registry.HELP} (default: the one the run was rendered for; "
+                        "local when every node of the inventory is ansible_connection=local).")
 
 
-def executor_for(run_dir: Path, inventory: str | None, insecure: bool = False) -> FabricExecutor:
-    """The run's executor as its manifest says: a Slurm job (sbatch.sh) or SSH to every node."""
-    from stepdeploy.remote.fabric_executor import executor_for_run  # SSH stack: only when used
-
+def executor_for(run_dir: Path, inventory: str | None, insecure: bool = False,
+                 executor: str | None = None) -> Executor:
+    """The run's executor: remote/registry.py decides from the manifest, the inventory and `executor`."""
     manifest = read_manifest(run_dir)
-    cluster = connecting_cluster(inventory or inventory_of(manifest, run_dir / "manifest.json"), insecure)
+    cluster = load_cluster(inventory or inventory_of(manifest, run_dir / "manifest.json"))
+    if registry.kind_for(manifest, cluster, executor) != "local":  # local connects to nothing
+        cluster = check_host_keys(cluster, insecure)
     try:
-        return executor_for_run(manifest, cluster, run_dir)
+        return registry.create(manifest, cluster, run_dir, requested=executor)
     except KeyError as exc:
         raise BadInput(f"{exc.args[0]}; the run was rendered for other nodes") from None
 
@@ -60,13 +63,12 @@ def _report(results: list[NodeResult], verb: str) -> None:
 def launch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
            follow: bool = typer.Option(False, "--follow", "-f", help="Stream logs until the run ends."),
            dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would be done; do nothing."),
-           insecure: bool = INSECURE) -> None:
+           insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Upload the run directory to every node (atomically) and start it detached."""
-    executor = executor_for(run_dir, inventory, insecure)
+    executor = executor_for(run_dir, inventory, insecure, executor_kind)
     if dry_run:
-        for target in executor.targets:
-            out.print(f"{target.name} ({target.endpoint.host}): upload {run_dir} to {executor.run_dir}, "
-                      f"start setsid nohup bash {target.node_dir}/launch.sh", markup=False)
+        for line in executor.describe(run_dir):
+            out.print(line, markup=False)
         return
     with executor:
         _report(executor.prepare(run_dir), "uploaded")
@@ -75,7 +77,7 @@ def launch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
             _follow(executor)
 
 
-def _follow(executor: FabricExecutor, interval: float = 1.0) -> RunStatus:
+def _follow(executor: Executor, interval: float = 1.0) -> RunStatus:
     cursor = LogCursor()
 
     def emit(line: str) -> None:
@@ -105,9 +107,9 @@ def _print_status(status: RunStatus) -> None:
 
 @app.command("status", epilog="Example: stepdeploy run status runs/r1 --json")
 def status_cmd(run_dir: Path = RUN, inventory: str | None = INVENTORY, as_json: bool = JSON,
-               insecure: bool = INSECURE) -> None:
+               insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Per node: running / exited (code) / unreachable; per rank: state, last heartbeat iteration."""
-    with executor_for(run_dir, inventory, insecure) as executor:
+    with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
         status = executor.poll()
     if as_json:
         emit_json({"nodes": [asdict(n) for n in status.nodes], "culprits": status.culprits()})
@@ -123,9 +125,9 @@ def status_cmd(run_dir: Path = RUN, inventory: str | None = INVENTORY, as_json: 
 def logs(run_dir: Path = RUN, inventory: str | None = INVENTORY,
          tail: int = typer.Option(50, "--tail", min=1, help="Lines per node."),
          follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the run ends."),
-         insecure: bool = INSECURE) -> None:
+         insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Every node's log, each line prefixed with its node (the workload adds [rank R])."""
-    with executor_for(run_dir, inventory, insecure) as executor:
+    with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
         if follow:
             _follow(executor)
             return
@@ -138,9 +140,9 @@ def logs(run_dir: Path = RUN, inventory: str | None = INVENTORY,
 def stop(run_dir: Path = RUN, inventory: str | None = INVENTORY,
          grace: float = finite_option(10.0, "--grace", min=0, max=86400, help="Seconds between SIGTERM and "
                                       "SIGKILL."),
-         insecure: bool = INSECURE) -> None:
+         insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """SIGTERM the run's processes on every node, SIGKILL after the grace, and prove none is left."""
-    with executor_for(run_dir, inventory, insecure) as executor:
+    with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
         results = executor.stop(grace)
     _report([NodeResult(r.node, r.ok, r.detail) for r in results], "stopped; nothing of the run is left")
 
@@ -148,8 +150,8 @@ def stop(run_dir: Path = RUN, inventory: str | None = INVENTORY,
 @app.command("fetch", epilog="Example: stepdeploy run fetch runs/r1")
 def fetch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
           dest: Path | None = typer.Option(None, "--dest", help="Default: RUN_DIR/fetched."),
-          insecure: bool = INSECURE) -> None:
+          insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Copy metrics, status, heartbeats, logs and exit codes (not checkpoints) back from every node."""
     safeio.check_output_dir(dest or run_dir / "fetched", "fetched files")
-    with executor_for(run_dir, inventory, insecure) as executor:
+    with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
         _report(executor.fetch(dest or run_dir / "fetched"), "fetched")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import stepdeploy.workload
-from stepdeploy.preflight.collect import Target, in_parallel
+from stepdeploy.remote.transport import Channel, each
 
 SCRIPT = Path(stepdeploy.workload.__file__).parent / "nccl_bench.py"
 SCRIPT_NAME = "nccl_bench.py"
@@ -76,7 +76,7 @@ def parse(stdout: str) -> tuple[list[dict], dict | None]:
     return rows, summary
 
 
-def private_dir(target: Target) -> str:
+def private_dir(target: Channel) -> str:
     """A new directory only root can enter (mktemp -d: unpredictable name, mode 0700) on the target."""
     made = target.run("umask 077 && mktemp -d /tmp/stepdeploy-nccl.XXXXXXXXXX", 15)
     path = made.stdout.strip()
@@ -85,20 +85,20 @@ def private_dir(target: Target) -> str:
     return path
 
 
-def run(targets: Sequence[Target], pythons: dict[str, str], sweep: Sweep, *,
+def run(targets: Sequence[Channel], pythons: dict[str, str], sweep: Sweep, *,
         inherit: dict[str, str] | None = None) -> tuple[list[dict], dict | None, str | None]:
     """(rows, summary, error). targets[0] is rank 0 (its training address is sweep.master_addr)."""
     ranks = {t.name: i for i, t in enumerate(targets)}
 
-    def one(t):
+    def one(t: Channel):
         workdir = private_dir(t)
         try:
-            t.put(SCRIPT, f"{workdir}/{SCRIPT_NAME}")
+            t.put(SCRIPT.read_bytes(), f"{workdir}/{SCRIPT_NAME}")
             return t.run(command(sweep, pythons[t.name], ranks[t.name], workdir, inherit), sweep.timeout_s + 15)
         finally:
             t.run(f"rm -rf -- {shlex.quote(workdir)}", 15)
 
-    answers = in_parallel(targets, one, sweep.timeout_s + 30)
+    answers = each(targets, one, sweep.timeout_s + 30)
     errors = []
     for name, ans in answers.items():
         if isinstance(ans, BaseException):

@@ -14,6 +14,7 @@ from stepdeploy.catalog.loader import load_hardware
 from stepdeploy.inventory.model import Node, SshSettings
 from stepdeploy.preflight import bandwidth, cluster, collect, gpu, host, probe
 from stepdeploy.preflight.model import NodeOutput, Report, Result, Status, fail, skip
+from stepdeploy.remote import transport
 from stepdeploy.stack import StackProfile
 
 Progress = Callable[[str], None]
@@ -118,7 +119,7 @@ def run(nodes: Sequence[Node], profile: StackProfile | None, opts: Options, *,
     started = time.monotonic()
     hardware = load_hardware()
     by_name = {n.name: n for n in nodes}
-    targets = {n.name: collect.target_for(n, local=opts.local) for n in nodes}
+    targets = {n.name: transport.channel_for(n, local=opts.local) for n in nodes}
     pythons = (opts.python,) if opts.python else probe.DEFAULT_PYTHONS
     specs = {n.name: probe.ProbeSpec(train_iface=n.train_iface, checkpoint_dir=opts.checkpoint_dir,
                                      pythons=pythons, section_timeout_s=int(max(5, opts.timeout_s - 5)))
@@ -148,7 +149,7 @@ def _train_address(out: NodeOutput, node: Node) -> str:
 
 
 def _cross_node(alive: list[NodeOutput], by_name: dict[str, Node], profile: StackProfile | None, opts: Options,
-                targets: dict[str, collect.Target], report: Report, hardware: Hardware,
+                targets: dict[str, transport.Channel], report: Report, hardware: Hardware,
                 progress: Progress) -> list[Result]:
     results = [
         cluster.check_same_versions({o.node: versions_of(o) for o in alive}),
@@ -170,7 +171,7 @@ def _cross_node(alive: list[NodeOutput], by_name: dict[str, Node], profile: Stac
     return results
 
 
-def _bandwidth(alive: list[NodeOutput], by_name: dict[str, Node], opts: Options, live_targets: list,
+def _bandwidth(alive: list[NodeOutput], by_name: dict[str, Node], opts: Options, live_targets: list[transport.Channel],
                reach: Result, report: Report, hardware: Hardware, progress: Progress) -> Result:
     if not opts.bandwidth:
         return skip("busbw", "not asked for (--no-bandwidth)")

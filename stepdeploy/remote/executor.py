@@ -1,6 +1,10 @@
 """The executor protocol: what the controller can do to a rendered run on its nodes, and the values it gets
 back. Every call answers per node (a node that cannot be reached is one entry, never an exception that
-hides the others). Implementations: fabric_executor (SSH to every node) and slurm_executor (one sbatch job).
+hides the others). Implementations, registered by name in registry.py: fabric (SSH to every node), slurm (one
+sbatch job) and local (this machine, no SSH); a fourth is one module with a `create` constructor there.
+
+Events an executor wants recorded (a Slurm job submitted, its state changes) leave it through the `EventSink`
+its caller passes; no executor knows where they go (the rollout's ledger, a terminal, nowhere).
 
 The run's state lives on the nodes (pid file, exit code, per-rank status and heartbeat files), never in the
 controller, so a controller that died can be replaced by a new one that polls, streams or stops the run.
@@ -11,10 +15,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from stepdeploy.remote.transport import Channel
 
 RUNNING, EXITED, NOT_STARTED, UNREACHABLE = "running", "exited", "not-started", "unreachable"
 EXIT_COLLECTIVE = 3  # train.py: a collective failed (a peer died or timed out)
+EventSink = Callable[[str, dict[str, Any]], None]  # (one line for a person, the same as data)
+
+
+def no_events(_message: str, _data: dict[str, Any]) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One node of the run: how to reach it (its channel) and where its part lives."""
+
+    name: str
+    channel: Channel
+    node_dir: str  # relative to the run directory
+
+    @property
+    def log(self) -> str:
+        return f"logs/{self.node_dir.rsplit('/', 1)[-1]}.log"
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,16 @@ class LogCursor:
 
 
 class Executor(Protocol):
+    """What every executor does. `targets` are the run's nodes in the manifest's order; every call answers
+    per node and never raises across nodes; `targets=` narrows a call to some of them."""
+
+    kind: str  # its name in the registry
+    run_id: str
+    run_dir: str  # where the run lives on its nodes
+    targets: list[Target]
+
+    def describe(self, local_run: Path) -> list[str]: ...  # the dry run: what prepare and start would do
+
     def prepare(self, local_run: Path) -> list[NodeResult]: ...
 
     def start(self) -> list[NodeResult]: ...
@@ -112,8 +147,14 @@ class Executor(Protocol):
 
     def follow(self, emit: Callable[[str], None], cursor: LogCursor) -> list[NodeResult]: ...
 
-    def stop(self, grace_s: float = 10.0) -> list[StopResult]: ...
+    def stop(self, grace_s: float = 10.0, targets: list[Target] | None = None) -> list[StopResult]: ...
 
     def fetch(self, dest: Path) -> list[NodeResult]: ...
 
-    def run_command(self, command: str) -> list[CommandResult]: ...
+    def run_command(self, command: str, targets: list[Target] | None = None) -> list[CommandResult]: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Executor: ...
+
+    def __exit__(self, *_exc: object) -> None: ...

@@ -18,15 +18,24 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fabric import Connection
-
+from stepdeploy.inventory.model import Cluster
 from stepdeploy.remote import slurm_jobs as sj
-from stepdeploy.remote.executor import CommandResult, LogCursor, NodeResult, NodeStatus, RunStatus, StopResult
-from stepdeploy.remote.fabric_executor import FabricExecutor, Target, targets_from
-from stepdeploy.remote.ssh import Endpoint, connection, endpoint_for
+from stepdeploy.remote.executor import (
+    CommandResult,
+    EventSink,
+    LogCursor,
+    NodeResult,
+    NodeStatus,
+    RunStatus,
+    StopResult,
+    Target,
+    no_events,
+)
+from stepdeploy.remote.node_executor import NodeExecutor, targets_from
+from stepdeploy.remote.ssh import Endpoint, endpoint_for
+from stepdeploy.remote.transport import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, Ran, SshChannel, channel_for
 
 JOBS_FILE = "slurm-jobs"
-EventSink = Callable[[str, dict[str, Any]], None]
 
 
 def _error(exc: BaseException) -> str:
@@ -34,16 +43,18 @@ def _error(exc: BaseException) -> str:
 
 
 class SlurmExecutor:
+    kind = "slurm"
+
     def __init__(self, run_id: str, run_dir: str, targets: Iterable[Target], controller: Endpoint, *,
                  job_name: str, script: str = "sbatch.sh", jobs_file: Path | None = None,
-                 on_event: EventSink | None = None, connect_timeout: int = 10,
+                 on_event: EventSink = no_events, connect_timeout: int = CONNECT_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.nodes = FabricExecutor(run_id, run_dir, targets, connect_timeout=connect_timeout)
+        self.nodes = NodeExecutor(run_id, run_dir, targets)
         self.run_id, self.run_dir, self.job_name, self.script = run_id, run_dir, job_name, script
         self.controller, self.jobs_file = controller, jobs_file
-        self.on_event = on_event or (lambda _message, _data: None)
-        self.connect_timeout, self.clock, self.sleep = connect_timeout, clock, sleep
-        self._conn: Connection | None = None
+        self.on_event = on_event
+        self.clock, self.sleep = clock, sleep
+        self._channel = SshChannel("slurm controller", controller, connect_timeout)
         self._last_state: str | None = None
 
     @property
@@ -51,22 +62,14 @@ class SlurmExecutor:
         return self.nodes.targets
 
     # -- plumbing -------------------------------------------------------------------------------------------
-    def _ctl(self, command: str, timeout: float = 60) -> Any:
-        if self._conn is None:
-            self._conn = connection(self.controller, connect_timeout=self.connect_timeout)
-        try:
-            return self._conn.run(command, hide=True, warn=True, timeout=timeout)
-        except Exception:
-            self._drop()
-            raise
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    def _ctl(self, command: str, timeout: float = CALL_TIMEOUT_S) -> Ran:
+        ran = self._channel.run(command, timeout)
+        if ran.timed_out:
+            raise TimeoutError(f"no answer within {timeout:g} s")
+        return ran
 
     def close(self) -> None:
-        self._drop()
+        self._channel.close()
         self.nodes.close()
 
     def __enter__(self) -> SlurmExecutor:
@@ -103,6 +106,11 @@ class SlurmExecutor:
         return sj.parse_query(job_id, self._ctl(sj.query_command(job_id)).stdout)
 
     # -- protocol -------------------------------------------------------------------------------------------
+    def describe(self, local_run: Path) -> list[str]:
+        uploads = [f"{t.name} ({t.channel.where}): upload {local_run} to {self.run_dir}" for t in self.targets]
+        return [*uploads, f"slurm controller ({self.controller.host}): sbatch --parsable {self.run_dir}/{self.script} "
+                          f"(job {self.job_name}); squeue/sacct to follow, scancel to stop"]
+
     def prepare(self, local_run: Path) -> list[NodeResult]:
         return self.nodes.prepare(local_run)
 
@@ -151,10 +159,10 @@ class SlurmExecutor:
     def follow(self, emit: Callable[[str], None], cursor: LogCursor) -> list[NodeResult]:
         return self.nodes.follow(emit, cursor)
 
-    def stop(self, grace_s: float = 10.0) -> list[StopResult]:
+    def stop(self, grace_s: float = 10.0, targets: list[Target] | None = None) -> list[StopResult]:
         """scancel every job of the run, wait for Slurm to end them, then kill and list whatever is left."""
         note = self._cancel(grace_s)
-        results = self.nodes.stop(grace_s)
+        results = self.nodes.stop(grace_s, targets)
         return [StopResult(r.node, r.ok, r.signalled, r.killed, r.left, f"{note}; {r.detail}") for r in results]
 
     def _cancel(self, grace_s: float) -> str:
@@ -189,7 +197,7 @@ class SlurmExecutor:
         self._note(job)
 
     def _note(self, job: sj.JobInfo | None) -> None:
-        """A ledger event for each change of the job's state."""
+        """An event for each change of the job's state."""
         if job is None:
             return
         for line in sj.state_events(self._last_state, job):
@@ -204,7 +212,7 @@ class SlurmExecutor:
         return self.nodes.run_command(command, targets)
 
 
-def controller_endpoint(cluster: Any) -> Endpoint:
+def controller_endpoint(cluster: Cluster) -> Endpoint:
     """Where sbatch runs: the inventory's stepdeploy_slurm_controller -- a node's name (reached as that node)
     or another host (reached with the first node's SSH user, port, key and known_hosts) -- else the first node."""
     name = cluster.slurm.controller or cluster.nodes[0].name
@@ -216,36 +224,13 @@ def controller_endpoint(cluster: Any) -> Endpoint:
                     known_hosts=first.known_hosts, proxy_jump=first.proxy_jump)
 
 
-def slurm_executor_for_manifest(manifest: dict[str, Any], cluster: Any, local_run: Path | None = None,
-                                on_event: EventSink | None = None) -> SlurmExecutor:
-    """The slurm executor of a run rendered for it (manifest `executor: slurm`)."""
-    endpoints = {node.name: endpoint_for(node) for node in cluster.nodes}
+def create(manifest: dict[str, Any], cluster: Cluster, local_run: Path, on_event: EventSink) -> SlurmExecutor:
+    """The slurm executor of a run rendered for it (manifest `executor: slurm`); job events go to `on_event`."""
+    channels = {node.name: channel_for(node) for node in cluster.nodes}
     slurm = manifest["slurm"]
-    return SlurmExecutor(manifest["run_id"], manifest["run_dir"], targets_from(manifest, endpoints),
+    return SlurmExecutor(manifest["run_id"], manifest["run_dir"], targets_from(manifest, channels),
                          controller_endpoint(cluster), job_name=slurm["job_name"], script=slurm["script"],
-                         jobs_file=local_run / JOBS_FILE if local_run is not None else None, on_event=on_event)
+                         jobs_file=local_run / JOBS_FILE, on_event=on_event)
 
 
-def ledger_sink(local_run: Path, manifest: dict[str, Any]) -> EventSink | None:
-    """Job events into the rollout's ledger (`<rollout>/attempts/<attempt>` -> `<rollout>/ledger.sqlite`) as
-    kind `slurm`, with the attempt's stage and rung; None outside a rollout (`stepdeploy run`)."""
-    path = local_run.resolve().parent.parent / "ledger.sqlite"
-    if not path.exists():
-        return None
-    stage, rung = manifest.get("stage"), (manifest.get("inputs", {}).get("rung") or {}).get("name")
-
-    def sink(message: str, data: dict[str, Any]) -> None:
-        from stepdeploy.ledger import Ledger
-
-        ledger = Ledger(path)
-        try:
-            run_ids = ledger.run_ids()
-            if run_ids:
-                ledger.event(run_ids[-1], "slurm", message, stage=stage, rung=rung, data=data)
-        finally:
-            ledger.close()
-
-    return sink
-
-
-__all__ = ["JOBS_FILE", "SlurmExecutor", "controller_endpoint", "ledger_sink", "slurm_executor_for_manifest"]
+__all__ = ["JOBS_FILE", "SlurmExecutor", "controller_endpoint", "create"]

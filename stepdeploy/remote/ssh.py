@@ -9,7 +9,6 @@ keys; a key that contradicts known_hosts is refused even then.
 
 from __future__ import annotations
 
-import getpass
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ class Endpoint:
     """Where and how to reach one node (no secrets: the key is a path, read lazily by paramiko)."""
 
     host: str
-    user: str = "root"
+    user: str | None = None  # None: what ssh itself uses (~/.ssh/config's User for the host, else our user name)
     port: int = 22
     key_file: Path | None = None
     known_hosts: Path | None = None
@@ -85,10 +84,11 @@ def group(endpoints: Iterable[Endpoint], *, connect_timeout: int = 10) -> Thread
                                             for ep in endpoints])
 
 
-
 def endpoint_for(node: Node) -> Endpoint:
-    """How to reach an inventory node: its address, SSH user (default: ours), port, key and known_hosts."""
+    """How to reach an inventory node: its address, SSH user, port, key and known_hosts. The user is the
+    inventory's ansible_user, else what ssh and Ansible themselves use (~/.ssh/config's User for the host, else
+    the local user name): preflight, the monitors and every executor reach a node as the same user."""
     ssh = node.ssh
-    return Endpoint(host=node.address, user=ssh.user or getpass.getuser(), port=ssh.port,
+    return Endpoint(host=node.address, user=ssh.user, port=ssh.port,
                     key_file=ssh.private_key_file, known_hosts=ssh.known_hosts_file, proxy_jump=ssh.proxy_jump,
                     verify=ssh.host_key_checking)

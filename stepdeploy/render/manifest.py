@@ -38,7 +38,7 @@ class _Manifest(_Open):
     run_dir: str = Field(pattern=r"^/", max_length=4096)  # any characters: it is quoted wherever it is used
     nodes: list[_Node] = Field(min_length=1, max_length=100_000)
     inputs: dict[str, Any]
-    executor: Literal["fabric", "slurm"] | None = None
+    executor: Literal["fabric", "slurm", "local"] | None = None
     slurm: _Slurm | None = None
 
 

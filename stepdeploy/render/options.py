@@ -88,8 +88,8 @@ class RenderOptions:
             raise BadInput(f"learning rate {self.lr} must be a positive finite number")
         if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
             raise BadInput(f"peak TFLOP/s {self.peak_tflops} must be a positive finite number")
-        if self.executor not in (None, "fabric", "slurm"):
-            raise BadInput(f"unknown executor {self.executor!r}; use fabric or slurm")
+        if self.executor not in (None, "fabric", "slurm", "local"):  # remote/registry.py's names
+            raise BadInput(f"unknown executor {self.executor!r}; use fabric or slurm, or local (this machine)")
         if self.rendezvous not in ("static", "c10d"):
             raise BadInput(f"unknown rendezvous {self.rendezvous!r}; use static or c10d")
         unknown = [name for name in self.seed_options if name not in SEED_OPTIONS]

@@ -147,6 +147,8 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
     manifest = _manifest(opts, inputs, created, version, files, placements, notes, layout, engine, facts or {})
     if slurm:
         manifest |= sbatch.manifest_entry(cluster, opts, nproc)
+    elif opts.executor == "local":  # the run is driven on this machine, also by a later `run`/`rollout stop`
+        manifest |= {"executor": "local"}
     files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest),
                               "manifest.json.j2"))
     return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload)

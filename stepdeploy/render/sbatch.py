@@ -22,7 +22,7 @@ _DIRECTIVE_PATH = re.compile(r"/[A-Za-z0-9._/+-]{1,200}")
 
 
 def executor_kind(cluster: Cluster, opts: RenderOptions) -> str:
-    """fabric or slurm: the render option, else the inventory's stepdeploy_executor, else fabric."""
+    """fabric, slurm or local: the render option, else the inventory's stepdeploy_executor, else fabric."""
     return opts.executor or cluster.executor or "fabric"
 
 

@@ -11,23 +11,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stepdeploy import __version__
 from stepdeploy.catalog import load_hardware, load_model
+from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.monitor.parse_workload import LAYER_METRICS
 from stepdeploy.plan.cluster import shape_from_cluster
-from stepdeploy.remote.executor import RunStatus
-from stepdeploy.remote.fabric_executor import FabricExecutor, executor_for_run
+from stepdeploy.remote import registry
+from stepdeploy.remote.executor import EventSink, Executor, RunStatus
 from stepdeploy.render import RenderOptions, load_workload_sources, render_run
 from stepdeploy.render.build import choose_layout, shipped_dataset, write_run
 from stepdeploy.render.manifest import read_manifest
 from stepdeploy.rollout.clock import REAL, Clock
 from stepdeploy.rollout.ladder import Rung, sub_cluster
-
-if TYPE_CHECKING:
-    from stepdeploy.remote.slurm_executor import SlurmExecutor
 
 
 @dataclass
@@ -72,13 +70,42 @@ def render_attempt(cluster: Cluster, rung: Rung, opts: RenderOptions, layout: st
     return {**summary, "layout": chosen.short()}
 
 
-def executor_for(cluster: Cluster, local_run: Path) -> FabricExecutor | SlurmExecutor:
-    """The executor the run was rendered for: slurm when its manifest says so (sbatch.sh; job events go to
-    the rollout's ledger), else the SSH one."""
-    return executor_for_run(read_manifest(local_run), cluster, local_run)
+def executor_for(cluster: Cluster, local_run: Path, on_event: EventSink | None = None) -> Executor:
+    """The executor of the attempt rendered in `local_run` (remote/registry.py chooses it from its manifest and
+    the inventory). Its events go to `on_event`, else to the rollout's ledger (ledger_events)."""
+    manifest = read_manifest(local_run)
+    try:
+        return registry.create(manifest, cluster, local_run,
+                               on_event=on_event or ledger_events(local_run, manifest, cluster))
+    except KeyError as exc:
+        raise BadInput(f"{exc.args[0]}; the run was rendered for other nodes") from None
 
 
-def latest_metrics(executor: FabricExecutor) -> dict[str, Any]:
+def ledger_events(local_run: Path, manifest: dict[str, Any], cluster: Cluster) -> EventSink:
+    """An executor's events into the rollout's ledger, as kind <executor> with the attempt's stage and rung. An
+    attempt lives in `<rollout>/attempts/<attempt>`, its ledger in `<rollout>/ledger.sqlite`; outside a rollout
+    (no ledger there) the events go nowhere."""
+    path = local_run.resolve().parent.parent / "ledger.sqlite"
+    kind = registry.kind_for(manifest, cluster)
+    stage, rung = manifest.get("stage"), (manifest.get("inputs", {}).get("rung") or {}).get("name")
+
+    def sink(message: str, data: dict[str, Any]) -> None:
+        if not path.exists():
+            return
+        from stepdeploy.ledger import Ledger
+
+        ledger = Ledger(path)
+        try:
+            run_ids = ledger.run_ids()
+            if run_ids:
+                ledger.event(run_ids[-1], kind, message, stage=stage, rung=rung, data=data)
+        finally:
+            ledger.close()
+
+    return sink
+
+
+def latest_metrics(executor: Executor) -> dict[str, Any]:
     """The last metrics line rank 0 wrote (on the first node only: the others have none), or {}."""
     for result in executor.run_command("tail -n 1 out/metrics.jsonl 2>/dev/null", executor.targets[:1]):
         try:
@@ -131,7 +158,7 @@ def metric_time(metrics_line: dict[str, Any]) -> float:
     return ts if ts is not None and math.isfinite(ts) else 0.0
 
 
-def follow(executor: FabricExecutor, live: Live, *, deadline: float, interval: float,
+def follow(executor: Executor, live: Live, *, deadline: float, interval: float,
            should_stop: Callable[[], bool], on_tick: Callable[[Live], None],
            check: Callable[[RunStatus], str | None] | None = None, clock: Clock = REAL) -> tuple[RunStatus, str]:
     """Poll until the run ends, the deadline passes or a stop is requested; returns (status, why it ended).

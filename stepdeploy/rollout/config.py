@@ -47,7 +47,7 @@ class RolloutConfig:
     poll_interval_s: float = 2.0
     seq_length: int | None = None
     global_batch_size: int | None = None
-    executor: Literal["fabric", "slurm"] | None = None  # None: the inventory's `stepdeploy_executor`, else fabric
+    executor: Literal["fabric", "slurm", "local"] | None = None  # None: remote/registry.py's default_kind
     inject: tuple[str, ...] = ()  # soak fault injections, e.g. "kill:rank=last@10m" (rollout/inject.py)
     monitor_interval_s: float = 5.0  # soak: the monitors' collection period
     heartbeat_timeout_s: float = 180.0  # soak: a running rank without a heartbeat this long is hung

@@ -18,7 +18,7 @@ from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, NotALedger
 from stepdeploy.monitor import diagnose
 from stepdeploy.monitor.parse_workload import METRIC_NAMES  # the names the report plots
-from stepdeploy.remote.fabric_executor import FabricExecutor
+from stepdeploy.remote.executor import Executor
 from stepdeploy.render import RenderOptions
 from stepdeploy.rollout import gates, recovery, soak
 from stepdeploy.rollout.attempt import (
@@ -52,7 +52,7 @@ class Rollout:
         self.clock, self.faults = clock, faults
         self._executors = executors
 
-    def executor_for(self, local: Path) -> Any:
+    def executor_for(self, local: Path) -> Executor:
         """The executor of the run rendered in `local` (a context manager)."""
         return (self._executors or executor_for)(self.cluster, local)
 
@@ -219,7 +219,7 @@ class Rollout:
                              executor=self.config.executor,  # None: the inventory's stepdeploy_executor
                              data=self.config.data, warmup_iterations=warmup, decay_iterations=decay)
 
-    def launch_and_follow(self, executor: FabricExecutor, local: Path, stage: str, rung: Rung, total: int | None,
+    def launch_and_follow(self, executor: Executor, local: Path, stage: str, rung: Rung, total: int | None,
                           deadline: float, *, reattach: bool = False, check: Callable[[Any], str | None] | None = None,
                           label: str = "") -> tuple[Any, str]:
         """Upload and start the run (unless re-attaching), then follow it; an attempt marker goes into the
@@ -246,10 +246,10 @@ class Rollout:
         if bad:
             raise StageFailed(recovery.launch_failure(executor, where, bad))
 
-    def _collect(self, executor: FabricExecutor, local: Path, attempt: int) -> list[dict[str, Any]]:
+    def _collect(self, executor: Executor, local: Path, attempt: int) -> list[dict[str, Any]]:
         return self.collect_since(executor, local, attempt, 0.0)
 
-    def collect_since(self, executor: FabricExecutor, local: Path, attempt: int, since: float
+    def collect_since(self, executor: Executor, local: Path, attempt: int, since: float
                       ) -> list[dict[str, Any]]:
         """Fetch the run's files; metrics lines written since `since` go to the ledger (a restarted soak
         appends to the same metrics file, so earlier attempts' lines are not counted twice)."""

@@ -119,7 +119,7 @@ def test_killed_rank_is_named_and_its_peer_exits_within_the_timeout(sdrun: SimCo
         assert victim.node == "node2"
         killed = time.monotonic()
         target = next(t for t in executor.targets if t.name == "node2")
-        res = executor._conn(target).run(f"kill -KILL {victim.pid}", hide=True, warn=True)
+        res = target.channel.run(f"kill -KILL {victim.pid}")
         assert res.ok, res.stderr
         survivor = wait(executor, lambda s: next(r for r in s.ranks if r.rank == 0).state == "exited", PG_TIMEOUT + 15)
         elapsed = time.monotonic() - killed

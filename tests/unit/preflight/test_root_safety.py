@@ -12,7 +12,6 @@ import os
 import shlex
 import shutil
 import stat
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from stepdeploy.preflight import bandwidth, collect, probe
-from stepdeploy.remote.fabric_executor import FabricExecutor, Target
-from stepdeploy.remote.ssh import Endpoint
+from stepdeploy.remote import transport
+from stepdeploy.remote.executor import Target
+from stepdeploy.remote.local_executor import LocalExecutor
+from stepdeploy.remote.transport import LocalChannel, Ran
 
 PLANT = "open({marker!r}, 'w').write('imported as root')\nraise SystemExit('planted module ran')\n"
 
@@ -29,7 +30,7 @@ PLANT = "open({marker!r}, 'w').write('imported as root')\nraise SystemExit('plan
 def test_reachability_check_keeps_hostile_names_and_addresses_inert(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     peers = [(f"n2';touch {marker};'", "127.0.0.1", 1), (f"n3$(touch {marker})", f"127.0.0.1;touch {marker}", 1)]
-    res = collect.LocalTarget("n1").run(collect.reach_command(peers, timeout_s=2), 20)
+    res = LocalChannel("n1").run(collect.reach_command(peers, timeout_s=2), 20)
     assert not marker.exists(), "an inventory value ran in the reachability check"
     assert f"reach n2';touch {marker};' 127.0.0.1 fail" in res.stdout
     assert f"reach n3$(touch {marker}) 127.0.0.1;touch {marker} fail" in res.stdout
@@ -42,7 +43,7 @@ def test_reachability_check_still_reaches_and_parses(tmp_path: Path) -> None:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        res = collect.LocalTarget("n1").run(collect.reach_command([("n2", "127.0.0.1", port)]), 20)
+        res = LocalChannel("n1").run(collect.reach_command([("n2", "127.0.0.1", port)]), 20)
     assert [(p.target, p.ok) for p in collect.parse_reach("n1", res.stdout)] == [("n2", True)]
 
 
@@ -51,7 +52,7 @@ def test_probe_python_ignores_modules_planted_in_the_working_directory(tmp_path:
     (tmp_path / "platform.py").write_text(PLANT.format(marker=str(marker)))
     monkeypatch.chdir(tmp_path)  # `preflight --local` runs the probe where the user stands (/tmp, say)
     command = probe.commands(probe.ProbeSpec(pythons=(sys.executable,)))["python"]
-    res = collect.LocalTarget("local").run(command, 120)
+    res = LocalChannel("local").run(command, 120)
     assert not marker.exists(), "the probe imported a module from its working directory"
     assert json.loads(res.stdout)["python"] == ".".join(map(str, sys.version_info[:3]))
 
@@ -65,19 +66,19 @@ class Recording:
     def __post_init__(self) -> None:
         self.commands: list[str] = []
         self.puts: list[str] = []
-        self.local = collect.LocalTarget(self.name)
+        self.local = LocalChannel(self.name)
 
-    def run(self, command: str, timeout_s: float) -> collect.Ran:
+    def run(self, command: str, timeout_s: float) -> Ran:
         self.commands.append(command)
         if "torch.distributed.run" in command:
-            return collect.Ran(0, "")
+            return Ran(0, "")
         return self.local.run(command, timeout_s)
 
-    def put(self, local: Path, remote: str) -> None:
+    def put(self, data: bytes, remote: str) -> None:
         self.puts.append(remote)
         parent = Path(remote).parent
         assert stat.S_IMODE(parent.stat().st_mode) == 0o700 and parent.owner() == Path.home().owner()
-        self.local.put(local, remote)
+        self.local.put(data, remote)
 
     def close(self) -> None:
         return None
@@ -104,12 +105,12 @@ class OwnTmp:
     tmp: Path
     name: str = "n1"
 
-    def run(self, command: str, timeout_s: float) -> collect.Ran:
+    def run(self, command: str, timeout_s: float) -> Ran:
         wrapped = f"mount --bind {shlex.quote(str(self.tmp))} /tmp && {command}"
-        return collect.LocalTarget(self.name).run(f"unshare -m sh -c {shlex.quote(wrapped)}", timeout_s)
+        return LocalChannel(self.name).run(f"unshare -m sh -c {shlex.quote(wrapped)}", timeout_s)
 
-    def put(self, local: Path, remote: str) -> None:
-        (self.tmp / Path(remote).relative_to("/tmp")).write_bytes(local.read_bytes())
+    def put(self, data: bytes, remote: str) -> None:
+        (self.tmp / Path(remote).relative_to("/tmp")).write_bytes(data)
 
     def close(self) -> None:
         return None
@@ -134,42 +135,25 @@ def test_the_sweep_does_not_import_a_torch_planted_in_tmp(tmp_path: Path) -> Non
     assert sorted(p.name for p in own_tmp.iterdir()) == ["torch"], "the sweep left files in /tmp"
 
 
-# --- the Fabric executor's node-side commands, run here -----------------------------------------------------
+# --- the executors' node-side commands, run here -----------------------------------------------------
 
 
 @dataclass
-class _Result:
-    exited: int
-    stdout: str
-    stderr: str
+class _Recorded(LocalChannel):
+    """This machine (the local executor's channel), recording every command it runs."""
 
-    @property
-    def ok(self) -> bool:
-        return self.exited == 0
+    commands: list[str] | None = None
 
-
-class _Files:
-    """The part of a Fabric connection the executor uses for files (SFTP put/get), on this machine."""
-
-    def put(self, source, remote: str) -> None:
-        Path(remote).write_bytes(source.read())
-
-    def get(self, remote: str, buffer) -> None:
-        buffer.write(Path(remote).read_bytes())
+    def run(self, command: str, timeout_s: float | None = transport.CALL_TIMEOUT_S) -> Ran:
+        assert self.commands is not None
+        self.commands.append(command)
+        return super().run(command, timeout_s)
 
 
-def local_executor(run_dir: Path, cwd: Path, commands: list[str]) -> FabricExecutor:
-    """A FabricExecutor whose node is this machine: its shell commands run here, in `cwd`."""
-    executor = FabricExecutor("r1", str(run_dir), [Target("n1", Endpoint("node.invalid"), "nodes/0-n1")])
-
-    def sh(_target: Target, command: str, timeout: float | None = 60) -> _Result:
-        commands.append(command)
-        res = subprocess.run(["sh", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-        return _Result(res.returncode, res.stdout, res.stderr)
-
-    executor._sh = sh  # type: ignore[method-assign]
-    executor._conn = lambda _target: _Files()  # type: ignore[method-assign]
-    return executor
+def local_executor(run_dir: Path, cwd: Path, commands: list[str]) -> LocalExecutor:
+    """The local executor, its one node this machine: its shell commands run here, in `cwd`."""
+    channel = _Recorded("n1", env=transport.session_environment(), cwd=str(cwd), commands=commands)
+    return LocalExecutor("r1", str(run_dir), [Target("n1", channel, "nodes/0-n1")])
 
 
 def test_node_probe_ignores_modules_planted_in_the_working_directory(tmp_path: Path) -> None:

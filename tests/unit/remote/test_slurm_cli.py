@@ -27,7 +27,7 @@ def test_an_unknown_executor_is_one_line_exit_2(tmp_path: Path) -> None:
                cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert [line for line in res.stderr.splitlines() if line.startswith("error:")] == [
-        "error: --executor 'k8s' is not an executor; use fabric or slurm"]
+        "error: --executor 'k8s' is not an executor; use one of fabric, slurm, local"]
     assert not (tmp_path / "r").exists()
 
 

@@ -134,3 +134,24 @@ def test_the_rollout_drives_a_run_with_the_executor_it_was_rendered_for(tmp_path
         assert slurm.job_ids() == []
         slurm.jobs_file.write_text("5\n6\n")
         assert slurm.job_ids() == ["5", "6"]
+
+
+def test_job_events_reach_the_rollouts_ledger_through_the_callers_callback(tmp_path: Path) -> None:
+    """slurm_executor knows no ledger: the rollout (attempt.executor_for) passes a callback that records the
+    job's events in its ledger, kind slurm, with the attempt's stage and rung; `run` passes none."""
+    from stepdeploy.ledger import Ledger
+    from stepdeploy.render.build import write_run
+
+    cluster = Cluster(source=Path("x.ini"), nodes=cpu_nodes())
+    write_run(render(cluster, executor="slurm"), tmp_path / "attempts" / "a1")
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.create_run("r1", {}, ["warmup"])
+    with executor_for(cluster, tmp_path / "attempts" / "a1") as slurm:
+        slurm.on_event("slurm job 5 submitted (sd-warmup-sel)", {"job_id": "5"})
+    [event] = [e for e in ledger.events("r1") if e["kind"] == "slurm"]
+    assert event["message"] == "slurm job 5 submitted (sd-warmup-sel)" and event["stage"] == "warmup"
+    from stepdeploy.cli.run import executor_for as run_executor
+
+    with run_executor(tmp_path / "attempts" / "a1", str(inventory(tmp_path, ""))) as plain:
+        plain.on_event("not recorded", {})
+    assert [e["message"] for e in ledger.events("r1") if e["kind"] == "slurm"] == [event["message"]]

@@ -1,0 +1,272 @@
+"""The executor that drives a rendered run through a shell on every node: what the fabric (SSH) and the local
+(this machine) executors share; each node is reached through its transport channel, all nodes in parallel,
+every answer per node, every command under its own deadline and every call under one for all nodes.
+
+prepare  uploads the run directory as one tarball, unpacks it beside the target, checks every file's sha256
+         and renames it into place: a node has the whole run directory or none of it.
+start    `setsid nohup` the node's launch.sh: it leads a session and process group of its own, writes its
+         pid file, and outlives the channel's session and the controller. If a node cannot be started, the
+         nodes that did start are stopped (never left running alone).
+stop     SIGTERM to the launch group and to every process carrying the run's STEPDEPLOY_RUN_ID, grace,
+         SIGKILL, then list what is left (node_probe.py); a node is ok only when nothing is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shlex
+import tarfile
+from collections.abc import Callable, Iterable
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+from stepdeploy.remote.executor import (
+    UNREACHABLE,
+    CommandResult,
+    LogCursor,
+    NodeResult,
+    NodeStatus,
+    RankStatus,
+    RunStatus,
+    StopResult,
+    Target,
+)
+from stepdeploy.remote.transport import CALL_TIMEOUT_S, Channel, Ran, each
+
+T = TypeVar("T")
+PROBE = resources.files("stepdeploy.remote").joinpath("node_probe.py").read_text()
+q = shlex.quote
+DEADLINE_S = 3 * CALL_TIMEOUT_S + 30  # one call on all nodes (an upload is three commands and a transfer)
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+class NodeExecutor:
+    kind = "nodes"
+    python = "python3"  # the nodes' interpreter for node_probe.py (standard library only)
+    one_machine = False  # every target is the same machine (the local executor)
+
+    def __init__(self, run_id: str, run_dir: str, targets: Iterable[Target]) -> None:
+        self.run_id, self.run_dir = run_id, run_dir
+        self.targets = list(targets)
+
+    # -- plumbing -------------------------------------------------------------------------------------------
+    def _each(self, work: Callable[[Target], T], failed: Callable[[Target, BaseException], T],
+              targets: list[Target] | None = None, deadline_s: float = DEADLINE_S) -> list[T]:
+        """`work` on every node in parallel; an exception (a node past the deadline included) becomes that
+        node's `failed` answer. Answers come in the targets' order."""
+        chosen = self.targets if targets is None else targets
+        answers = each(chosen, work, deadline_s)
+        results = []
+        for target in chosen:
+            answer = answers[target.name]
+            if isinstance(answer, BaseException):  # any SSH/socket failure is this node's answer, not everyone's
+                target.channel.close()
+                answer = failed(target, answer)
+            results.append(answer)
+        return results
+
+    def _sh(self, target: Target, command: str, timeout: float | None = CALL_TIMEOUT_S) -> Ran:
+        ran = target.channel.run(command, timeout)
+        if ran.timed_out:
+            raise TimeoutError(f"no answer within {timeout:g} s")
+        return ran
+
+    def close(self) -> None:
+        for target in self.targets:
+            target.channel.close()
+
+    def __enter__(self) -> NodeExecutor:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- protocol -------------------------------------------------------------------------------------------
+    def describe(self, local_run: Path) -> list[str]:
+        return [f"{t.name} ({t.channel.where}): upload {local_run} to {self.run_dir}, start setsid nohup bash "
+                f"{t.node_dir}/launch.sh" for t in self.targets]
+
+    def prepare(self, local_run: Path) -> list[NodeResult]:
+        payload = _tarball(local_run)
+        digest = hashlib.sha256(payload).hexdigest()[:16]
+        def work(target: Target) -> NodeResult:
+            return self._upload(target, payload, digest)
+
+        def failed(target: Target, exc: BaseException) -> NodeResult:
+            return NodeResult(target.name, False, f"unreachable: {_error(exc)}")
+
+        if not self.one_machine:
+            return self._each(work, failed)
+        # every node is this machine, in one run directory: one upload at a time (the later ones find it there)
+        return [result for target in self.targets for result in self._each(work, failed, [target])]
+
+    def _upload(self, target: Target, payload: bytes, digest: str) -> NodeResult:
+        run_dir, parent = self.run_dir, str(Path(self.run_dir).parent)
+        staging, tarball = f"{run_dir}.staging-{digest}", f"{run_dir}.upload-{digest}.tar.gz"
+        # The names below are predictable: only a parent no other user can write keeps them ours (a shared
+        # /tmp would let anyone plant a link the upload follows, or files torchrun imports as root). -H: a parent
+        # that is a link (/var/lib/stepdeploy/runs -> /dev/shm/...) is judged by the directory it names.
+        shared = f"find -H {q(parent)} -maxdepth 0 -perm -0002"
+        made = self._sh(target, f"mkdir -p -- {q(parent)} && test -z \"$({shared})\"")
+        if not made.ok:
+            return NodeResult(target.name, False, f"{parent} is missing or writable by every user; render with a "
+                                                  "--remote-dir only root can write (default /var/lib/stepdeploy/runs)")
+        target.channel.put(payload, tarball)
+        run, stage = q(run_dir), q(staging)
+        script = (
+            f"set -e; rm -rf -- {stage}; mkdir -p -- {stage}; tar -xzf {q(tarball)} -C {stage}; "
+            f"rm -f -- {q(tarball)}; (cd -- {stage} && sha256sum --quiet -c .sha256sums); "
+            f"if [ -e {run} ]; then same=0; cmp -s {run}/manifest.json {stage}/manifest.json || same=17; "
+            f"rm -rf -- {stage}; exit $same; fi; "
+            f"mv -T -- {stage} {run}"
+        )
+        res = self._sh(target, script)
+        if res.rc == 17:
+            return NodeResult(target.name, False, f"{run_dir} already holds another rendering; use a new run id")
+        return NodeResult(target.name, res.ok, "uploaded" if res.ok else res.stderr.strip()[-500:])
+
+    def start(self) -> list[NodeResult]:
+        results = self._each(self._start_one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
+        if not all(r.ok for r in results):
+            started = [t for t, r in zip(self.targets, results, strict=True) if r.ok]
+            stops = self.stop(targets=started)
+            results = [r if not r.ok else NodeResult(r.node, False, "stopped again: another node failed to start")
+                       for r in results]
+            results += [NodeResult(s.node, s.ok, f"stop: {s.detail}") for s in stops if not s.ok]
+        return results
+
+    def _start_one(self, target: Target) -> NodeResult:
+        run, node_dir = q(self.run_dir), q(target.node_dir)
+        # The `&` must apply to setsid alone: a backgrounded `a && b &` list is a subshell that keeps the
+        # SSH channel open until the run ends.
+        launch = (f"cd -- {run} && mkdir -p logs && rm -f -- {node_dir}/launch.pid {node_dir}/exit_code || exit 1; "
+                  f"setsid nohup env STEPDEPLOY_RUN_ID={q(self.run_id)} bash {node_dir}/launch.sh "
+                  f">> {q(target.log)} 2>&1 < /dev/null & "
+                  f"for _ in $(seq 50); do [ -s {run}/{node_dir}/launch.pid ] && break; sleep 0.1; done; "
+                  f"cat {run}/{node_dir}/launch.pid")
+        res = self._sh(target, launch)
+        pid = res.stdout.strip()
+        if not res.ok or not pid.isdigit():
+            return NodeResult(target.name, False, f"did not start: {res.stderr.strip()[-300:]}")
+        return NodeResult(target.name, True, f"launch pid {pid}")
+
+    def _probe(self, target: Target, mode: str, *extra: str, timeout: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+        args = " ".join(q(a) for a in (mode, self.run_dir, self.run_id, target.node_dir, *extra))
+        # -I: nothing from the working directory, PYTHONPATH or user site-packages is imported as root
+        res = self._sh(target, f"{q(self.python)} -I -c {q(PROBE)} {args}", timeout=timeout)
+        if not res.ok:
+            raise RuntimeError(f"probe failed: {res.stderr.strip()[-300:]}")
+        return json.loads(res.stdout)
+
+    def poll(self) -> RunStatus:
+        def one(target: Target) -> NodeStatus:
+            data = self._probe(target, "poll")
+            ranks = tuple(RankStatus(rank=r.get("rank", -1), node=r.get("node") or target.name, pid=r.get("pid"),
+                                     state=r.get("state", "?"), code=r.get("code"), reason=r.get("reason", ""),
+                                     iteration=r.get("iteration"), heartbeat_age_s=r.get("heartbeat_age_s"))
+                          for r in data["ranks"])
+            return NodeStatus(target.name, data["state"], data["exit_code"], ranks,
+                              f"{len(data['processes'])} process(es) of the run")
+
+        return RunStatus(tuple(self._each(one, lambda t, e: NodeStatus(t.name, UNREACHABLE, detail=_error(e)))))
+
+    def logs(self, tail: int = 50) -> dict[str, list[str]]:
+        def one(target: Target) -> list[str]:
+            res = self._sh(target, f"tail -n {int(tail)} -- {q(self.run_dir)}/{q(target.log)}")
+            return [f"{target.name} | {line}" for line in res.stdout.splitlines()]
+
+        answers = self._each(one, lambda t, e: [f"{t.name} | (unreachable: {_error(e)})"])
+        return {t.name: lines for t, lines in zip(self.targets, answers, strict=True)}
+
+    def follow(self, emit: Callable[[str], None], cursor: LogCursor) -> list[NodeResult]:
+        """Emit every complete log line added since `cursor`, prefixed with the node's name; call repeatedly."""
+
+        def one(target: Target) -> NodeResult:
+            offset = cursor.offsets.get(target.name, 0)
+            res = self._sh(target, f"tail -c +{offset + 1} -- {q(self.run_dir)}/{q(target.log)} 2>/dev/null")
+            chunk = res.stdout
+            cursor.offsets[target.name] = offset + len(chunk.encode())
+            text = cursor.partial.get(target.name, "") + chunk
+            *lines, cursor.partial[target.name] = text.split("\n")
+            for line in lines:
+                emit(f"{target.name} | {line}")
+            return NodeResult(target.name, True)
+
+        return self._each(one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
+
+    def stop(self, grace_s: float = 10.0, targets: list[Target] | None = None) -> list[StopResult]:
+        def one(target: Target) -> StopResult:
+            data = self._probe(target, "stop", str(grace_s), timeout=grace_s + 60)
+            left = tuple(data["left"])
+            detail = "nothing of the run is left" if not left else f"still running: pids {list(left)}"
+            return StopResult(target.name, not left, tuple(data["signalled"]), tuple(data["killed"]), left, detail)
+
+        return self._each(one, lambda t, e: StopResult(t.name, False, detail=f"unreachable: {_error(e)}"), targets,
+                          deadline_s=grace_s + CALL_TIMEOUT_S + 30)
+
+    def fetch(self, dest: Path) -> list[NodeResult]:
+        """metrics, status, heartbeats, logs and exit codes (not checkpoints) into dest/<node dir>/."""
+
+        def one(target: Target) -> NodeResult:
+            # the archive goes into a fresh private directory (mktemp -d, 0700), never a guessable /tmp name
+            archive = '"$d/fetch.tar.gz"'
+            res = self._sh(target, f"cd -- {q(self.run_dir)} && d=$(umask 077 && mktemp -d) && "
+                                   f"tar -czf {archive} --ignore-failed-read out/metrics.jsonl out/phases.jsonl "
+                                   f"out/status out/heartbeat logs {q(target.node_dir)} 2>/dev/null; "
+                                   f"if test -s {archive}; then echo \"$d\"; else rm -rf -- \"$d\"; exit 1; fi")
+            workdir = res.stdout.strip()
+            if not res.ok or not workdir.startswith("/"):
+                return NodeResult(target.name, False, "nothing to fetch")
+            try:
+                data = target.channel.get(f"{workdir}/fetch.tar.gz")
+            finally:
+                self._sh(target, f"rm -rf -- {q(workdir)}")
+            where = dest / target.node_dir
+            where.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+                archive.extractall(where, filter="data")
+            return NodeResult(target.name, True, str(where))
+
+        return self._each(one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
+
+    def run_command(self, command: str, targets: list[Target] | None = None) -> list[CommandResult]:
+        def one(target: Target) -> CommandResult:
+            res = self._sh(target, f"cd -- {q(self.run_dir)} && {command}")
+            return CommandResult(target.name, res.ok, res.rc, res.stdout, res.stderr)
+
+        return self._each(one, lambda t, e: CommandResult(t.name, False, None, stderr=f"unreachable: {_error(e)}"),
+                          targets)
+
+
+def _tarball(local_run: Path) -> bytes:
+    """The run directory as a .tar.gz, with .sha256sums of every file for the node to check."""
+    sums, buffer = [], io.BytesIO()
+    files = sorted(p for p in local_run.rglob("*") if p.is_file())
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for path in files:
+            rel = path.relative_to(local_run).as_posix()
+            sums.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {rel}")
+            archive.add(path, rel)
+        data = ("\n".join(sums) + "\n").encode()
+        info = tarfile.TarInfo(".sha256sums")
+        info.size, info.mode = len(data), 0o644
+        archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def targets_from(manifest: dict[str, Any], channels: dict[str, Channel]) -> list[Target]:
+    """Targets for the nodes a manifest names, reached through `channels` (by node name; KeyError: a node
+    the inventory lacks)."""
+    missing = [n["name"] for n in manifest["nodes"] if n["name"] not in channels]
+    if missing:
+        raise KeyError(f"the inventory has no node {', '.join(missing)}")
+    return [Target(n["name"], channels[n["name"]], n["dir"]) for n in manifest["nodes"]]
+
+
+__all__ = ["DEADLINE_S", "NodeExecutor", "targets_from"]
