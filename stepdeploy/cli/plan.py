@@ -131,9 +131,9 @@ def plan(
     cluster = _cluster(inventory, nodes, gpus_per_node, gpu, link)
     seq_length = seq if seq is not None else spec.training.seq_length
     global_batch = gbs if gbs is not None else spec.training.global_batch_size
-    if explain:
-        _explain(model, as_json)
     params = count_parameters(spec)
+    if explain and not as_json:
+        _explain(model, as_json)
     job = Job(spec, seq_length, global_batch, cluster.world)
     given = None
     if layout:
@@ -146,7 +146,7 @@ def plan(
             spec, cluster, hardware, seq_length, global_batch, margin
         )
     interval = _checkpoint_interval(params.total, result, given, mtbf_s)
-    _emit(result, given, top, as_json, interval)
+    _emit(result, given, top, as_json, interval, report.params_dict(params) if explain else None)
     if not (given.fits if given else result.fitting):
         raise typer.Exit(EXIT_FAILED)
 
@@ -165,12 +165,13 @@ def _checkpoint_interval(params: int, result: PlanResult, given: Any, mtbf_s: fl
 
 
 def _emit(result: PlanResult, given: Any, top: int, as_json: bool,
-          interval: checkpoint.CheckpointInterval | None) -> None:
-    if as_json:
+          interval: checkpoint.CheckpointInterval | None, parameters: dict[str, Any] | None = None) -> None:
+    if as_json:  # one document: --explain's breakdown goes into it, never before it
         data = report.result_dict(result, top)
         if given:
             data = {"layout": report.verdict_dict(given, result.job), "alternatives": data}
-        emit_json({**data, "checkpoint_interval": interval.to_json() if interval else None})
+        extra = {"parameters": parameters} if parameters is not None else {}
+        emit_json({**data, "checkpoint_interval": interval.to_json() if interval else None, **extra})
         return
     if given:
         _print_layout_verdict(result.job, given, result.cluster)
