@@ -16,7 +16,7 @@ from stepdeploy.cli.output import console, emit_json, info, out
 from stepdeploy.cli.rollout import parse_mtbf
 from stepdeploy.errors import EXIT_FAILED, BadInput
 from stepdeploy.inventory import load_cluster
-from stepdeploy.plan import checkpoint, report
+from stepdeploy.plan import checkpoint, engines, report
 from stepdeploy.plan.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterShape, cluster_shape, shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, parse_layout
 from stepdeploy.plan.params import count_parameters
@@ -147,6 +147,10 @@ def plan(
         )
     interval = _checkpoint_interval(params.total, result, given, mtbf_s)
     _emit(result, given, top, as_json, interval, report.params_dict(params) if explain else None)
+    if explain and not as_json:
+        out.print(f"What the {engines.DEFAULT_ENGINE} engine runs (the layouts above are only those):", markup=False)
+        for line in engines.explain(engines.DEFAULT_ENGINE, spec):
+            out.print(f"  - {line}", markup=False)
     if not (given.fits if given else result.fitting):
         raise typer.Exit(EXIT_FAILED)
 
@@ -177,6 +181,9 @@ def _emit(result: PlanResult, given: Any, top: int, as_json: bool,
         _print_layout_verdict(result.job, given, result.cluster)
         out.print("Feasible alternatives on the same cluster:" if result.fitting else "", markup=False)
     _print_result(result, top)
+    out.print(f"Context parallelism for {result.job.model.name} needs "
+              f"{engines.context_parallel_requirement(result.job.model)}; the {engines.DEFAULT_ENGINE} engine does not "
+              "run it (plan --explain says why)", markup=False)
     if interval is not None:
         out.print(f"Checkpoint interval (Young/Daly, what --checkpoint-interval auto starts from): "
                   f"{interval.describe()}", markup=False)
