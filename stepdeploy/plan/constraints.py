@@ -96,9 +96,9 @@ def _vpp_microbatches(job: Job, lay: Layout) -> str | None:
     if lay.vpp == 1 or job.world % (lay.tp * lay.pp * lay.cp):
         return None
     count = job.microbatches(lay)
-    if count % lay.pp:
-        return (f"{count} micro-batches per step are not a multiple of PP={lay.pp} (megatron-core's interleaved "
-                "schedule runs them in groups of PP)")
+    if count < lay.pp:
+        return (f"{count} micro-batch(es) per step, fewer than PP={lay.pp} (megatron-core's interleaved schedule "
+                "runs at least PP in a group)")
     return None
 
 
@@ -160,7 +160,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("vpp-divides", "layers of every stage % VPP == 0", _vpp_divides),
     Rule("vpp-needs-pp", "VPP needs PP>1, and PP>2 unless overlap-p2p-comm", _vpp_needs_pp),
-    Rule("vpp-microbatches", "with VPP, micro-batches per step % PP == 0", _vpp_microbatches),
+    Rule("vpp-microbatches", "with VPP, micro-batches per step >= PP", _vpp_microbatches),
     Rule("sp-needs-tp", "sequence parallel needs TP>1", _sequence_parallel),
     Rule("cp-sequence", "sequence % (2*CP) == 0", _context_parallel),
     Rule("batch-divides", "global batch % (MBS*DP) == 0", _batch_divides),

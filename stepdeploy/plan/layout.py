@@ -86,6 +86,16 @@ class Job:
         return max(1, self.global_batch_size // (layout.mbs * self.dp(layout)))
 
 
+def vpp_group_size(microbatches: int, pp: int) -> int | None:
+    """megatron-core's microbatch_group_size_per_vp_stage for an interleaved pipeline: the contiguous micro-batches
+    each virtual stage runs, between PP and the micro-batches per step, whose last group is empty or at least PP
+    long (schedules.py refuses anything else). The smallest such (PP itself where PP divides the micro-batches):
+    the first stage holds (VPP-1) x group warm-up chunks. None when there are fewer micro-batches than stages."""
+    if microbatches < pp:
+        return None
+    return next(g for g in range(pp, microbatches + 1) if microbatches % g == 0 or microbatches % g >= pp)
+
+
 def stage_layer_counts(num_layers: int, layout: Layout) -> tuple[int, ...] | None:
     """Decoder layers per pipeline stage, or None when no split exists.
 

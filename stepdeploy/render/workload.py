@@ -13,7 +13,7 @@ from stepdeploy.catalog import LayerShape, ModelSpec
 from stepdeploy.errors import BadInput
 from stepdeploy.plan import engines
 from stepdeploy.plan.flops import model_flops_per_token
-from stepdeploy.plan.layout import Layout, stage_layer_counts
+from stepdeploy.plan.layout import Layout, stage_layer_counts, vpp_group_size
 from stepdeploy.plan.params import count_parameters
 from stepdeploy.render.options import DEFAULT_LR, RenderOptions
 from stepdeploy.stack import StackProfile, load_profiles
@@ -81,6 +81,10 @@ def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, eng
         raise BadInput(f"layout {layout.short()} does not divide {world} ranks")
     if gbs % (layout.mbs * dp):
         raise BadInput(f"global batch {gbs} is not a multiple of micro-batch {layout.mbs} x DP {dp}")
+    group = vpp_group_size(gbs // (layout.mbs * dp), layout.pp) if layout.vpp > 1 else None
+    if layout.vpp > 1 and group is None:
+        raise BadInput(f"VPP={layout.vpp} needs at least PP={layout.pp} micro-batches per step, got "
+                       f"{gbs // (layout.mbs * dp)}", hint="raise the global batch or lower the micro-batch size")
     flops = model_flops_per_token(count_parameters(spec), spec, seq).total
     model = {k: v for k, v in spec.model_dump().items() if k not in MODEL_FIELDS_DROPPED}
     model["layers"] = [layer_config(shape) for shape in spec.layers()]
@@ -92,7 +96,7 @@ def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, eng
         "run_id": opts.run_id,
         "stage": opts.stage,
         "model": model,
-        "parallel": _parallel(layout, spec.num_layers),
+        "parallel": _parallel(layout, spec.num_layers) | {"vpp_microbatch_group": group},
         "training": {
             "seq_length": seq,
             "micro_batch_size": layout.mbs,

@@ -26,6 +26,8 @@ def pipeline_kwargs(p: dict[str, Any]) -> dict[str, Any]:
         overlap = bool(p.get("overlap_p2p_comm", True))
         kwargs |= {"virtual_pipeline_model_parallel_size": p["vpp"], "overlap_p2p_comm": overlap,
                    "batch_p2p_comm": not overlap}
+        if p.get("vpp_microbatch_group"):  # the planner's (plan.layout.vpp_group_size): megatron's default is PP
+            kwargs["microbatch_group_size_per_vp_stage"] = p["vpp_microbatch_group"]
     if p.get("first_stage_layers") is not None:
         kwargs["num_layers_in_first_pipeline_stage"] = p["first_stage_layers"]
     if p.get("last_stage_layers") is not None:

@@ -47,7 +47,7 @@ CASES = {
         step_job(16, gbs=256),
         Layout(pp=4, vpp=3, mbs=1),
         Layout(pp=4, vpp=3, mbs=32),
-        "2 micro-batches per step are not a multiple of PP=4",
+        "2 micro-batch(es) per step, fewer than PP=4",
     ),
     "sp-needs-tp": (
         step_job(8),

@@ -2,6 +2,8 @@
 planner's layouts shape them (workload/model_chunks.py), trained a few steps on 2 CPU ranks (gloo) with
 megatron-core's own schedules (get_forward_backward_func):
 - vpp: tiny-dense, PP 2 x VPP 2 (the interleaved schedule over two chunks per rank), fused AdamW;
+- vpp-group: the same with 3 micro-batches a step, run by megatron in one group of 3 (the planner's
+  vpp_group_size; megatron's default group, PP, refuses a last group shorter than PP);
 - uneven: a 5-layer tiny-dense, PP 2 split 2/3 (num_layers_in_first/last_pipeline_stage), foreach AdamW;
 - on-device and offload: tiny-dense, DP 2, from the same initial weights, torch's AdamW on the device and the
   optimizer on the host (megatron's HybridDeviceOptimizer, its host copies told apart by host_copies_apart).
@@ -138,7 +140,8 @@ def scenario(name: str, model: str, layout_text: str, gbs: int, layers: int | No
         "chunk_layers": [[layer.layer_number for layer in c.module.module.decoder.layers] for c in chunks],
         "params": sum(p.numel() for c in chunks for p in c.parameters()),
         "losses": losses, "optimizers": inner, "fused_groups": fused, "offloaded": offloaded,
-        "stage_layers": [cfg["parallel"]["first_stage_layers"], cfg["parallel"]["last_stage_layers"]]}
+        "stage_layers": [cfg["parallel"]["first_stage_layers"], cfg["parallel"]["last_stage_layers"]],
+        "vpp_group": config.microbatch_group_size_per_vp_stage, "micro_batches": micro_batches}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)
     ps.destroy_model_parallel()
@@ -154,6 +157,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     results = [scenario("vpp", "tiny-dense", "pp=2,vpp=2,mbs=2,optimizer=fused", gbs=4),
+               scenario("vpp-group", "tiny-dense", "pp=2,vpp=2,mbs=2", gbs=6),
                scenario("uneven", "tiny-dense", "pp=2,mbs=2", gbs=4, layers=5),
                scenario("on-device", "tiny-dense", "mbs=2", gbs=4),
                scenario("offload", "tiny-dense", "mbs=2,offload=on,precision_aware_optimizer=on", gbs=4)]

@@ -42,6 +42,13 @@ def test_interleaved_pipeline_holds_two_chunks_per_rank_and_learns(runs: dict[st
     assert all(all(rank["fused_groups"]) for rank in ranks)  # optimizer=fused reached torch's AdamW
 
 
+def test_interleaved_pipeline_runs_micro_batches_pp_does_not_divide(runs: dict[str, Any]) -> None:
+    ranks = runs["vpp-group"]
+    assert {(rank["micro_batches"], rank["vpp_group"]) for rank in ranks} == {(3, 3)}
+    losses = _last_stage_losses(ranks)
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
 def test_uneven_split_is_the_planners(runs: dict[str, Any]) -> None:
     ranks = runs["uneven"]
     assert ranks[0]["stage_layers"] == [2, 3]  # rendered as megatron's first/last stage sizes
