@@ -28,6 +28,7 @@ from stepdeploy.catalog.loader import model_names
 from stepdeploy.errors import StepdeployError
 from stepdeploy.inventory import load_cluster
 from stepdeploy.plan.cluster import ClusterShape, cluster_shape, shape_from_cluster
+from stepdeploy.plan.layout import stage_layer_counts
 from stepdeploy.plan.search import search
 from stepdeploy.render.build import engine_layout
 from stepdeploy.render.options import RenderOptions
@@ -46,6 +47,7 @@ class Row:
     fitting: int
     checked: int
     refused: list[str]
+    layouts: list[str]
 
 
 def clusters() -> list[tuple[str, ClusterShape]]:
@@ -85,7 +87,14 @@ def check(model: str, name: str, shape: ClusterShape, top: int) -> Row:
     result = search(spec, shape, load_hardware(), spec.training.seq_length, spec.training.global_batch_size)
     listed = result.fitting[:top]
     refused = [f"{v.layout.short()}: {why}" for v in listed if (why := engine_refusal(spec, v.layout, shape))]
-    return Row(model, name, len(result.fitting), len(listed), refused)
+    return Row(model, name, len(result.fitting), len(listed), refused, [describe(v.layout, spec) for v in listed])
+
+
+def describe(layout: Any, spec: ModelSpec) -> str:
+    knobs = ["offload"] if layout.optimizer_cpu_offload else []
+    counts = stage_layer_counts(spec.num_layers, layout) or ()
+    knobs += ["uneven=" + "/".join(map(str, counts))] if len(set(counts)) > 1 else []
+    return ",".join([layout.short(), f"mbs={layout.mbs}", layout.recompute, *knobs, layout.optimizer])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row.model} | {row.cluster} | {row.fitting} | {row.checked} | "
               f"{len(row.refused)}{': ' + row.refused[0] if row.refused else ''} |")
     checked, refused = sum(r.checked for r in rows), sum(len(r.refused) for r in rows)
-    print(f"\n{checked} layouts checked, {refused} refused")
+    listed = [layout for row in rows for layout in row.layouts]
+    kinds = {"VPP > 1": "vpp=", "uneven splits": "uneven=", "offload": "offload", "fused AdamW": "fused"}
+    print(f"\n{checked} layouts checked, {refused} refused; among them "
+          + ", ".join(f"{sum(key in text for text in listed)} {name}" for name, key in kinds.items()))
     if args.json:
         args.json.write_text(json.dumps([row.__dict__ for row in rows], indent=2))
     return 1 if refused else 0
