@@ -67,4 +67,4 @@ def test_offloaded_optimizer_steps_on_the_host_and_trains_as_the_device_one(runs
         assert device["losses"][0] == host["losses"][0]  # same weights, same data
         assert host["losses"][-1] < host["losses"][0] - 0.5, host["losses"]
         for a, b in zip(device["losses"], host["losses"], strict=True):
-            assert math.isclose(a, b, rel_tol=0.02), (device["losses"], host["losses"])
+            assert math.isclose(a, b, rel_tol=1e-3), (device["losses"], host["losses"])  # measured: 6e-5
