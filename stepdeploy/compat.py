@@ -124,7 +124,7 @@ def _software_rules(profile: StackProfile, host: str) -> list[Conflict]:
     fa = _v(profile.flash_attn)
     if fa and str(fa.major) not in m["flash_attn"]["existing_majors"]:
         out.append(Conflict(host, "flash-attn", profile.flash_attn or "",
-                            "a release that exists (2.x is FA2)", m["flash_attn"]["source"]))
+                            "a release that exists (2.x is FA2)", m["flash_attn"]["majors_source"]))
     mc, py = _v(profile.megatron_core), _v(profile.python)
     rule = m["megatron_core_python"]
     if mc and py and mc >= Version(rule["from_version"]) and py < Version(rule["min_python"]):
@@ -134,28 +134,64 @@ def _software_rules(profile: StackProfile, host: str) -> list[Conflict]:
     return out
 
 
+def torch_cuda_build(torch_version: str | None) -> str | None:
+    """The CUDA a torch build targets: its local tag (2.7.0+cu128 -> 12.8, +cpu -> "none"), else the default PyPI
+    wheel's of its minor release (torch_default_wheel_cuda); None when neither says."""
+    if not torch_version:
+        return None
+    _, _, local = torch_version.partition("+")
+    if local:
+        tag = re.fullmatch(r"cu(\d+)(\d)", local)
+        return f"{tag.group(1)}.{tag.group(2)}" if tag else "none"
+    entry = matrix()["torch_default_wheel_cuda"]["table"].get(_major_minor(torch_version))
+    return entry["cuda"] if entry else None
+
+
 def _gpu_rules(profile: StackProfile, facts: HostFacts, sm: str, family: str) -> list[Conflict]:
     m, out, host = matrix(), [], facts.host
     where = f"sm_{sm} ({family}, {facts.gpu_source})"
-    need_cuda = m["sm_min_cuda"]["table"].get(sm)
+    need = m["sm_min_cuda"]["table"].get(sm)
     cuda = _v(profile.cuda)
     if cuda is None:
         out.append(Conflict(host, "CUDA", "none", f"a CUDA toolkit for the GPU {where}",
                             "profile has no CUDA"))
-    elif need_cuda and cuda < Version(need_cuda):
-        out.append(Conflict(host, "CUDA", profile.cuda or "", f">= {need_cuda} for {where}",
-                            m["sm_min_cuda"]["source"]))
-    need_torch = m["torch_min_for_family"]["table"].get(family)
-    torch = _v(profile.torch)
-    if torch and need_torch and Version(torch.base_version) < Version(need_torch):
-        out.append(Conflict(host, "PyTorch", profile.torch or "", f">= {need_torch} for {where}",
-                            m["torch_min_for_family"]["source"]))
-    fa = _v(profile.flash_attn)
-    if fa and fa.major == 2 and family not in m["flash_attn"]["fa2_families"]:
-        out.append(Conflict(host, "flash-attn", profile.flash_attn or "",
-                            f"an FA2-capable GPU (Ampere/Ada/Hopper), not {where}",
-                            m["flash_attn"]["source"]))
+    elif need and cuda < Version(need["cuda"]):
+        out.append(Conflict(host, "CUDA", profile.cuda or "", f">= {need['cuda']} for {where}", need["source"]))
+    out += _torch_rules(profile, host, family, where)
+    out += _flash_attn_rules(profile, host, family, where)
     return out
+
+
+def _torch_rules(profile: StackProfile, host: str, family: str, where: str) -> list[Conflict]:
+    rule = matrix()["torch_min_for_family"]["table"].get(family)
+    torch = _v(profile.torch)
+    if not (torch and rule):
+        return []
+    if Version(torch.base_version) < Version(rule["torch"]):
+        return [Conflict(host, "PyTorch", profile.torch or "", f">= {rule['torch']} for {where}", rule["source"])]
+    build = torch_cuda_build(profile.torch)
+    if build is not None and (build == "none" or Version(build) < Version(rule["cuda"])):
+        return [Conflict(host, "PyTorch", f"{profile.torch} (built for CUDA {build})",
+                         f"a build for CUDA >= {rule['cuda']} (e.g. +cu{rule['cuda'].replace('.', '')}) for {where}",
+                         rule["source"])]
+    return []
+
+
+def _flash_attn_rules(profile: StackProfile, host: str, family: str, where: str) -> list[Conflict]:
+    rules = matrix()["flash_attn"]
+    fa, cuda = _v(profile.flash_attn), _v(profile.cuda)
+    if not fa or fa.major != 2 or family in rules["fa2_families"]:
+        return []
+    blackwell = rules["fa2_blackwell"]
+    if family == "blackwell" and fa >= Version(blackwell["min_version"]) and cuda \
+            and cuda >= Version(blackwell["min_cuda"]):
+        return []
+    if family == "blackwell":
+        return [Conflict(host, "flash-attn", profile.flash_attn or "",
+                         f">= {blackwell['min_version']} built with CUDA >= {blackwell['min_cuda']} for {where}",
+                         blackwell["source"])]
+    return [Conflict(host, "flash-attn", profile.flash_attn or "",
+                     f"an FA2-capable GPU (Ampere/Ada/Hopper/Blackwell), not {where}", rules["fa2_source"])]
 
 
 def model_conflicts(profile: StackProfile, *, sliding_window: bool, per_layer: bool, where: str) -> list[Conflict]:

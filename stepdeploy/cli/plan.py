@@ -16,7 +16,7 @@ from stepdeploy.cli.output import console, emit_json, info, out
 from stepdeploy.cli.rollout import parse_mtbf
 from stepdeploy.errors import EXIT_FAILED, BadInput
 from stepdeploy.inventory import load_cluster
-from stepdeploy.plan import checkpoint, report
+from stepdeploy.plan import checkpoint, engines, report
 from stepdeploy.plan.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterShape, cluster_shape, shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, parse_layout
 from stepdeploy.plan.params import count_parameters
@@ -131,9 +131,9 @@ def plan(
     cluster = _cluster(inventory, nodes, gpus_per_node, gpu, link)
     seq_length = seq if seq is not None else spec.training.seq_length
     global_batch = gbs if gbs is not None else spec.training.global_batch_size
-    if explain:
-        _explain(model, as_json)
     params = count_parameters(spec)
+    if explain and not as_json:
+        _explain(model, as_json)
     job = Job(spec, seq_length, global_batch, cluster.world)
     given = None
     if layout:
@@ -146,7 +146,11 @@ def plan(
             spec, cluster, hardware, seq_length, global_batch, margin
         )
     interval = _checkpoint_interval(params.total, result, given, mtbf_s)
-    _emit(result, given, top, as_json, interval)
+    _emit(result, given, top, as_json, interval, report.params_dict(params) if explain else None)
+    if explain and not as_json:
+        out.print(f"What the {engines.DEFAULT_ENGINE} engine runs (the layouts above are only those):", markup=False)
+        for line in engines.explain(engines.DEFAULT_ENGINE, spec):
+            out.print(f"  - {line}", markup=False)
     if not (given.fits if given else result.fitting):
         raise typer.Exit(EXIT_FAILED)
 
@@ -165,17 +169,21 @@ def _checkpoint_interval(params: int, result: PlanResult, given: Any, mtbf_s: fl
 
 
 def _emit(result: PlanResult, given: Any, top: int, as_json: bool,
-          interval: checkpoint.CheckpointInterval | None) -> None:
-    if as_json:
+          interval: checkpoint.CheckpointInterval | None, parameters: dict[str, Any] | None = None) -> None:
+    if as_json:  # one document: --explain's breakdown goes into it, never before it
         data = report.result_dict(result, top)
         if given:
             data = {"layout": report.verdict_dict(given, result.job), "alternatives": data}
-        emit_json({**data, "checkpoint_interval": interval.to_json() if interval else None})
+        extra = {"parameters": parameters} if parameters is not None else {}
+        emit_json({**data, "checkpoint_interval": interval.to_json() if interval else None, **extra})
         return
     if given:
         _print_layout_verdict(result.job, given, result.cluster)
         out.print("Feasible alternatives on the same cluster:" if result.fitting else "", markup=False)
     _print_result(result, top)
+    out.print(f"Context parallelism for {result.job.model.name} needs "
+              f"{engines.context_parallel_requirement(result.job.model)}; the {engines.DEFAULT_ENGINE} engine does not "
+              "run it (plan --explain says why)", markup=False)
     if interval is not None:
         out.print(f"Checkpoint interval (Young/Daly, what --checkpoint-interval auto starts from): "
                   f"{interval.describe()}", markup=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stepdeploy.catalog import ModelSpec
-from stepdeploy.plan.layout import Layout
+from stepdeploy.plan.layout import Layout, vpp_group_size
 from stepdeploy.plan.params import LayerParams
 
 BF16 = 2
@@ -118,7 +118,8 @@ def full_layer_bytes(
 def in_flight_microbatches(layout: Layout, stage: int, microbatches: int) -> float:
     """Micro-batches whose activations a stage holds at the peak of 1F1B (or interleaved 1F1B).
 
-    Interleaved: rank r runs 2(PP-r-1) + (VPP-1)PP warm-up chunks, each 1/VPP of its layers; rank 0 thus
+    Interleaved: rank r runs 2(PP-r-1) + (VPP-1)G warm-up chunks, each 1/VPP of its layers, G the micro-batch
+    group per virtual stage (layout.vpp_group_size: PP where PP divides the micro-batches); with G = PP rank 0
     holds PP*(1 + (PP-1)/(PP*VPP)) micro-batches' worth, Megatron's own interleaving factor.
     """
     pp, vpp = layout.pp, layout.vpp
@@ -126,7 +127,8 @@ def in_flight_microbatches(layout: Layout, stage: int, microbatches: int) -> flo
         return 1.0
     if vpp == 1:
         return float(min(pp - stage, microbatches))
-    chunks = 2 * (pp - stage - 1) + (vpp - 1) * pp + 1
+    group = vpp_group_size(microbatches, pp) or pp
+    chunks = 2 * (pp - stage - 1) + (vpp - 1) * group + 1
     return min(chunks, microbatches * vpp) / vpp
 
 

@@ -92,6 +92,16 @@ def _vpp_needs_pp(job: Job, lay: Layout) -> str | None:
     return None
 
 
+def _vpp_microbatches(job: Job, lay: Layout) -> str | None:
+    if lay.vpp == 1 or job.world % (lay.tp * lay.pp * lay.cp):
+        return None
+    count = job.microbatches(lay)
+    if count < lay.pp:
+        return (f"{count} micro-batch(es) per step, fewer than PP={lay.pp} (megatron-core's interleaved schedule "
+                "runs at least PP in a group)")
+    return None
+
+
 def _sequence_parallel(job: Job, lay: Layout) -> str | None:
     return "sequence parallel needs TP>1" if lay.sp and lay.tp == 1 else None
 
@@ -150,6 +160,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("vpp-divides", "layers of every stage % VPP == 0", _vpp_divides),
     Rule("vpp-needs-pp", "VPP needs PP>1, and PP>2 unless overlap-p2p-comm", _vpp_needs_pp),
+    Rule("vpp-microbatches", "with VPP, micro-batches per step >= PP", _vpp_microbatches),
     Rule("sp-needs-tp", "sequence parallel needs TP>1", _sequence_parallel),
     Rule("cp-sequence", "sequence % (2*CP) == 0", _context_parallel),
     Rule("batch-divides", "global batch % (MBS*DP) == 0", _batch_divides),
@@ -165,6 +176,10 @@ RULES: tuple[Rule, ...] = (
         _moe_comm_overlap,
     ),
 )
+
+
+# Rules a knob of the search (micro-batch size) can repair; any other rule fails the whole structure.
+KNOB_RULES = frozenset({"batch-divides", "vpp-microbatches"})
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ from stepdeploy.errors import BadInput
 
 Recompute = Literal["none", "selective", "full"]
 Dispatcher = Literal["alltoall", "flex", "allgather"]
+# torch.optim.AdamW's implementation (megatron-core without Apex/TE builds torch's AdamW): foreach (torch's default
+# on GPUs; its step allocates sqrt(v) for a whole param group) or fused (one kernel per tensor group, no temporary)
+AdamImplementation = Literal["foreach", "fused"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Layout:
     distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
     precision_aware_optimizer: bool = False
+    optimizer: AdamImplementation = "foreach"
     sequence_parallel: bool | None = None  # None: on exactly when TP > 1
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool | None = None  # None: the planner's choice (plan.search.settle_param_gather)
@@ -80,6 +84,16 @@ class Job:
 
     def microbatches(self, layout: Layout) -> int:
         return max(1, self.global_batch_size // (layout.mbs * self.dp(layout)))
+
+
+def vpp_group_size(microbatches: int, pp: int) -> int | None:
+    """megatron-core's microbatch_group_size_per_vp_stage for an interleaved pipeline: the contiguous micro-batches
+    each virtual stage runs, between PP and the micro-batches per step, whose last group is empty or at least PP
+    long (schedules.py refuses anything else). The smallest such (PP itself where PP divides the micro-batches):
+    the first stage holds (VPP-1) x group warm-up chunks. None when there are fewer micro-batches than stages."""
+    if microbatches < pp:
+        return None
+    return next(g for g in range(pp, microbatches + 1) if microbatches % g == 0 or microbatches % g >= pp)
 
 
 def stage_layer_counts(num_layers: int, layout: Layout) -> tuple[int, ...] | None:
@@ -164,7 +178,8 @@ def _convert(name: str, raw: str, type_name: str) -> object:
         if not re.fullmatch(r"[0-9]{1,6}", raw) or int(raw) < 1:
             raise BadInput(f"--layout: {name} takes a positive integer (at most 6 digits), got {raw!r}")
         return int(raw)
-    choices = {"recompute": ("none", "selective", "full"), "dispatcher": ("alltoall", "flex", "allgather")}
+    choices = {"recompute": ("none", "selective", "full"), "dispatcher": ("alltoall", "flex", "allgather"),
+               "optimizer": ("foreach", "fused")}
     if raw not in choices.get(name, ()):
         raise BadInput(f"--layout: {name} is one of {', '.join(choices.get(name, ()))}, got {raw!r}")
     return raw

@@ -26,6 +26,9 @@ OPTIMIZER_BYTES = 12  # fp32 master copy + Adam m and v
 # m, v, master weights and fp32 grads stay. Measured on H200: MBS-1 peaks = state + 4 B/param
 # (docs/benchmarks.md, 2026-11-29: dense 15.19 GiB, MoE 72.94 GiB on 1 GPU).
 ADAM_STEP_BYTES = 4
+# torch's fused AdamW (Layout.optimizer "fused") updates each tensor group in one kernel with no such temporary
+# (assumed from torch's _fused_adamw: it writes m, v and the parameter in place; not yet measured here).
+ADAM_STEP_BYTES_BY_IMPLEMENTATION = {"foreach": ADAM_STEP_BYTES, "fused": 0}
 NCCL_BASE_MIB = 256  # assumed: NCCL workspace of the first communicator
 NCCL_PER_GROUP_MIB = 128  # assumed: each further process group of size > 1
 FLEX_BUFFER_MIB = 1024  # assumed: DeepEP (flex dispatcher) NVLink + RDMA buffers
@@ -128,7 +131,8 @@ def _state_bytes(
         "weights": WEIGHT_BYTES * held.total,
         "gradients": GRAD_BYTES * held.total,
         "optimizer": optimizer - offloaded,
-        "optimizer_step": 0.0 if layout.optimizer_cpu_offload else ADAM_STEP_BYTES * largest_group,
+        "optimizer_step": 0.0 if layout.optimizer_cpu_offload
+        else ADAM_STEP_BYTES_BY_IMPLEMENTATION[layout.optimizer] * largest_group,
         "host_offload": offloaded,
     }
 

@@ -9,7 +9,9 @@ from typing import Any
 from rich.table import Table
 
 from stepdeploy.catalog import GIB
+from stepdeploy.plan import engines
 from stepdeploy.plan.constraints import RULES
+from stepdeploy.plan.layout import stage_layer_counts
 from stepdeploy.plan.memory import COMPONENTS, MemoryEstimate
 from stepdeploy.plan.params import LayerParams, ParamCount
 from stepdeploy.plan.search import PlanResult, Verdict
@@ -17,6 +19,7 @@ from stepdeploy.plan.search import PlanResult, Verdict
 RULE_SUMMARY = {rule.name: rule.summary for rule in RULES} | {
     "memory": "does not fit in GPU memory",
     "host-memory": "offloaded optimizer state does not fit in host memory",
+    "engine": "the engine does not run it (stepdeploy/data/engines.yaml)",
 }
 
 
@@ -31,6 +34,7 @@ def billions(value: float) -> str:
 def _knobs(verdict: Verdict) -> str:
     layout = verdict.layout
     extra = ["offload"] if layout.optimizer_cpu_offload else []
+    extra += [f"{layout.optimizer}-adam"]
     extra += [] if layout.distributed_optimizer else ["no-dist-opt"]
     return " ".join([layout.recompute, *extra])
 
@@ -170,8 +174,11 @@ def explain_summary(params: ParamCount) -> list[str]:
 
 def verdict_dict(verdict: Verdict, result_job: Any) -> dict[str, Any]:
     lay = verdict.layout
+    counts = stage_layer_counts(result_job.model.num_layers, lay) if not verdict.violations else None
     data: dict[str, Any] = {
         "layout": lay.__dict__ | {"dp": result_job.dp(lay), "edp": result_job.edp(lay)},
+        "stage_layers": list(counts) if counts else None,
+        "needs": engines.needs(result_job.model, lay),
         "valid": verdict.valid,
         "fits": verdict.fits,
         "reason": verdict.reason(),
@@ -237,4 +244,7 @@ def result_dict(result: PlanResult, top: int) -> dict[str, Any]:
             for key, count in result.rejected.most_common()
         },
         "smallest_fit": result.smallest_fit.describe() if result.smallest_fit else None,
+        "engine": {"name": engines.DEFAULT_ENGINE,
+                   "context_parallel": engines.context_parallel_requirement(result.job.model),
+                   "capabilities": engines.explain(engines.DEFAULT_ENGINE, result.job.model)},
     }

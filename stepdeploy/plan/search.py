@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from stepdeploy.catalog import Hardware, ModelSpec
+from stepdeploy.plan import engines
 from stepdeploy.plan.cluster import ClusterShape
-from stepdeploy.plan.constraints import Violation, violations
+from stepdeploy.plan.constraints import KNOB_RULES, Violation, violations
 from stepdeploy.plan.layout import Job, Layout
 from stepdeploy.plan.memory import MemoryEstimate, estimate_memory
 from stepdeploy.plan.params import ParamCount, count_parameters
@@ -82,9 +83,15 @@ def judge(
     cluster: ClusterShape,
     hardware: Hardware,
     margin: float = 0.10,
+    engine: str = engines.DEFAULT_ENGINE,
 ) -> Verdict:
-    layout = settle_param_gather(layout)
+    """A layout's verdict: megatron-core's rules, then what `engine` runs (stepdeploy/data/engines.yaml), then
+    memory and step time."""
+    layout = engines.settle(engine, settle_param_gather(layout))
     broken = tuple(violations(job, layout))
+    refused = None if broken else engines.refusal(engine, layout, job.model)
+    if refused:
+        broken = (Violation("engine", refused),)
     if broken:
         return Verdict(layout, broken)
     memory = estimate_memory(params, job, layout, cluster, margin)
@@ -111,13 +118,17 @@ def structures(spec: ModelSpec, world: int) -> Iterator[Layout]:
 
 
 def _knob_choices(structure: Layout, frugal: bool) -> Iterator[Layout]:
+    """torch's foreach AdamW (what every measured run used) with every micro-batch size and recompute; then, with
+    full recompute, the fused AdamW (no step temporary) and the optimizer on the host. The fastest that fits wins;
+    at equal time the earlier (foreach before fused, as measured before as assumed)."""
     batches, recomputes = ((1,), ("full",)) if frugal else (MICRO_BATCHES, RECOMPUTE)
     for mbs, recompute in product(batches, recomputes):
         yield replace(structure, mbs=mbs, recompute=recompute)
     for mbs in batches:
-        yield replace(
-            structure, mbs=mbs, recompute="full", optimizer_cpu_offload=True, precision_aware_optimizer=True
-        )
+        yield replace(structure, mbs=mbs, recompute="full", optimizer="fused")
+    for mbs in batches:
+        yield replace(structure, mbs=mbs, recompute="full", optimizer_cpu_offload=True,
+                      precision_aware_optimizer=True, optimizer="fused")
 
 
 def _best_for_structure(
@@ -135,7 +146,7 @@ def _best_for_structure(
     for layout in _knob_choices(structure, frugal):
         verdict = judge(params, job, layout, cluster, hardware, margin)
         if not verdict.valid:
-            if invalid is None and verdict.violations[0].rule != "batch-divides":
+            if invalid is None and verdict.violations[0].rule not in KNOB_RULES:
                 return verdict  # structural: no knob repairs it
             invalid = invalid or verdict
             continue

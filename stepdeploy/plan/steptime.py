@@ -21,6 +21,10 @@ from stepdeploy.plan.stages import Stage, stage_params, stages
 
 GB = 1e9
 OFFLOAD_PCIE_GBPS = 50.0  # assumed: host <-> GPU copies of gradients and parameters under CPU offload
+# assumed: torch's fused AdamW on the host (HybridDeviceOptimizer) moves ~32 B per parameter it owns (fp32 grad,
+# master, m, v read; master, m, v written) at a GPU's share of host memory bandwidth (8 GPUs on ~200 GB/s)
+OFFLOAD_HOST_ADAM_BYTES = 32
+OFFLOAD_HOST_GBPS_PER_GPU = 25.0
 
 # Host time (Python + kernel launches) of one micro-batch, forward + backward, per decoder layer.
 # Fitted on H200, megatron-core 0.19.2 local spec + SDPA, together with the efficiencies in hardware.yaml, to
@@ -142,7 +146,8 @@ def _optimizer_step(
     shards = (job.dp(layout) * layout.cp, job.edp(layout)) if layout.distributed_optimizer else (1, 1)
     owned = held.dense / shards[0] + held.expert / shards[1]
     if layout.optimizer_cpu_offload:
-        return held.total * (4 + 2) / (OFFLOAD_PCIE_GBPS * GB)
+        return (held.total * (4 + 2) / (OFFLOAD_PCIE_GBPS * GB)
+                + owned * OFFLOAD_HOST_ADAM_BYTES / (OFFLOAD_HOST_GBPS_PER_GPU * GB))
     return owned * OPTIMIZER_STEP_BYTES / (cluster.gpu.memory_bandwidth_gbps * GB)
 
 

@@ -59,8 +59,7 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
                            hint=f"stepdeploy plan -m {spec.name} -i INVENTORY")
     else:
         result = search(spec, shape, hardware, seq, gbs)
-        # The megatron engine runs megatron-core without TransformerEngine (no CP, no sequence parallelism),
-        # one model chunk per stage (no VPP yet), and clamped experts only as grouped GEMMs.
+        # The planner offers only what the megatron engine runs (plan/engines.py); the filter stays as a guard.
         runnable = [judge(params, job, engine_layout(v.layout), shape, hardware)
                     for v in result.fitting if megatron_runs(v.layout, spec)]
         runnable = sorted((v for v in runnable if v.fits), key=lambda v: -v.time.tokens_per_second)

@@ -11,8 +11,9 @@ from typing import Any
 from stepdeploy import compat
 from stepdeploy.catalog import LayerShape, ModelSpec
 from stepdeploy.errors import BadInput
+from stepdeploy.plan import engines
 from stepdeploy.plan.flops import model_flops_per_token
-from stepdeploy.plan.layout import Layout
+from stepdeploy.plan.layout import Layout, stage_layer_counts, vpp_group_size
 from stepdeploy.plan.params import count_parameters
 from stepdeploy.render.options import DEFAULT_LR, RenderOptions
 from stepdeploy.stack import StackProfile, load_profiles
@@ -25,9 +26,9 @@ def choose_engine(opts: RenderOptions, gpus_per_node: int) -> str:
 
 
 def megatron_runs(layout: Layout, spec: ModelSpec) -> bool:
-    """Whether the megatron engine runs this layout of this model (what check_engine would not refuse): one model
-    chunk per stage, no context parallelism, and grouped experts where the model clamps its routed experts."""
-    return layout.vpp == 1 and layout.cp == 1 and (layout.grouped_experts or not spec.swiglu_limits)
+    """Whether the megatron engine runs this layout of this model (what check_engine would not refuse): the
+    engine's capabilities (stepdeploy/data/engines.yaml), which the planner consults too."""
+    return engines.refusal("megatron", engines.settle("megatron", layout), spec) is None
 
 
 def check_engine(engine: str, layout: Layout, spec: ModelSpec, gpus_per_node: int) -> None:
@@ -41,19 +42,14 @@ def check_engine(engine: str, layout: Layout, spec: ModelSpec, gpus_per_node: in
     elif gpus_per_node == 0:
         raise BadInput("the megatron engine needs GPUs; the inventory's nodes have none",
                        hint="use --engine torch on CPU nodes")
-    elif layout.vpp > 1:
-        raise BadInput("the megatron engine runs one model chunk per pipeline stage (vpp=1) in this version",
-                       hint="choose a layout with vpp=1")
-    elif layout.cp > 1:
-        raise BadInput("context parallelism needs TransformerEngine's attention; stock megatron-core's "
-                       "local attention (and torch SDPA) run only cp=1", hint="choose a layout with cp=1")
+    else:
+        refused = engines.refusal(engine, engines.settle(engine, layout), spec)
+        if refused:
+            raise BadInput(refused, hint=f"stepdeploy plan -m {spec.name} lists the layouts this engine runs")
     if engine == "torch" and not spec.uniform_attention:
         raise BadInput(f"{spec.name}: the torch engine trains uniform layers only (no sliding windows, per-head "
                        "gates, per-layer RoPE, zero-centred norms or SwiGLU clamps)",
                        hint="pass --engine megatron on GPU nodes, or use a proxy model (e.g. tiny-moe)")
-    if engine == "megatron" and spec.swiglu_limits and not layout.grouped_experts:
-        raise BadInput(f"{spec.name}: its clamped experts need the engine's grouped experts (torch._grouped_mm), "
-                       "which this layout does not use", hint="choose a layout with etp=1")
 
 
 def check_stack(profile: StackProfile | None, spec: ModelSpec, engine: str) -> None:
@@ -85,6 +81,10 @@ def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, eng
         raise BadInput(f"layout {layout.short()} does not divide {world} ranks")
     if gbs % (layout.mbs * dp):
         raise BadInput(f"global batch {gbs} is not a multiple of micro-batch {layout.mbs} x DP {dp}")
+    group = vpp_group_size(gbs // (layout.mbs * dp), layout.pp) if layout.vpp > 1 else None
+    if layout.vpp > 1 and group is None:
+        raise BadInput(f"VPP={layout.vpp} needs at least PP={layout.pp} micro-batches per step, got "
+                       f"{gbs // (layout.mbs * dp)}", hint="raise the global batch or lower the micro-batch size")
     flops = model_flops_per_token(count_parameters(spec), spec, seq).total
     model = {k: v for k, v in spec.model_dump().items() if k not in MODEL_FIELDS_DROPPED}
     model["layers"] = [layer_config(shape) for shape in spec.layers()]
@@ -96,7 +96,7 @@ def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, eng
         "run_id": opts.run_id,
         "stage": opts.stage,
         "model": model,
-        "parallel": _parallel(layout),
+        "parallel": _parallel(layout, spec.num_layers) | {"vpp_microbatch_group": group},
         "training": {
             "seq_length": seq,
             "micro_batch_size": layout.mbs,
@@ -123,7 +123,14 @@ def layer_config(shape: LayerShape) -> dict[str, Any]:
             "shared_swiglu_limit": shape.shared_swiglu_limit}
 
 
-def _parallel(layout: Layout) -> dict[str, Any]:
+def _parallel(layout: Layout, num_layers: int) -> dict[str, Any]:
+    """The layout as megatron-core takes it. The pipeline split is the planner's (stage_layer_counts): an uneven one
+    is written as megatron's first/last stage sizes, which megatron-core would otherwise refuse ("num_layers
+    should be divisible by pipeline_model_parallel_size")."""
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    counts = stage_layer_counts(num_layers, layout) if layout.pp > 1 else None
+    if counts and len(set(counts)) > 1:
+        first, last = counts[0], counts[-1]
     return {
         "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "ep": layout.ep, "etp": layout.etp,
         "sequence_parallel": layout.sp,
@@ -136,6 +143,10 @@ def _parallel(layout: Layout) -> dict[str, Any]:
         # megatron engine's MoE experts: torch._grouped_mm (experts_grouped.py, ETP 1 only) or SequentialMLP
         "experts": "grouped_mm" if layout.grouped_experts else "sequential",
         "cross_entropy_fusion": layout.cross_entropy_fusion,
-        "first_stage_layers": layout.first_stage_layers,
-        "last_stage_layers": layout.last_stage_layers,
+        "first_stage_layers": first,
+        "last_stage_layers": last,
+        "overlap_p2p_comm": layout.overlap_p2p_comm,
+        # torch AdamW's implementation, and the whole optimizer on the host (megatron's HybridDeviceOptimizer)
+        "optimizer": layout.optimizer,
+        "optimizer_cpu_offload": layout.optimizer_cpu_offload,
     }

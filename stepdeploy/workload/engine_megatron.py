@@ -1,7 +1,8 @@
 """The `megatron` engine (GPU): megatron-core's GPTModel built from the catalog model with the plan's
-TP/PP/EP/ETP/DP, trained with megatron's DDP + distributed optimizer on a synthetic Markov-chain stream or an
-indexed dataset through megatron-core's GPTDataset (data.py),
-saved with dist-checkpointing. Standard library + torch + megatron-core only (shipped as a file).
+TP/PP/VPP/EP/ETP/DP, its pipeline split and its optimizer (foreach or fused AdamW, or offloaded to the host:
+model_chunks.py), trained with megatron's DDP + distributed optimizer on a synthetic Markov-chain stream or an
+indexed dataset through megatron-core's GPTDataset (data.py), saved with dist-checkpointing. Standard library +
+torch + megatron-core only (shipped as a file).
 
 Without TransformerEngine, stock megatron-core's local layer spec uses an unfused attention (half the speed,
 2.3x the memory of SDPA: FACTS); this engine puts torch SDPA in its place (flash or cuDNN kernels, causal,
@@ -23,6 +24,7 @@ import data
 import experts_grouped
 import layers
 import megatron_ckpt
+import model_chunks
 import moe_stats
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ import traces
 from metrics import RankFiles, log
 from schedule import lr_at
 
-WEIGHT_DECAY = 0.1
+WEIGHT_DECAY = model_chunks.WEIGHT_DECAY
 
 
 def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -57,10 +59,7 @@ def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         # proxy MBS 4: 59.4 % MFU against 58.3 % unfused, +1 GiB peak (docs/benchmarks.md, 2026-11-29)
         "cross_entropy_loss_fusion": p.get("cross_entropy_fusion", True), "cross_entropy_fusion_impl": "native",
     }
-    if p["first_stage_layers"] is not None:
-        kwargs["num_layers_in_first_pipeline_stage"] = p["first_stage_layers"]
-    if p["last_stage_layers"] is not None:
-        kwargs["num_layers_in_last_pipeline_stage"] = p["last_stage_layers"]
+    kwargs |= model_chunks.pipeline_kwargs(p)  # virtual pipeline, p2p overlap, first/last stage sizes
     if p["recompute"] == "full":
         kwargs |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     elif p["recompute"] == "selective":
@@ -98,9 +97,12 @@ def load_balancing_kwargs(moe: dict[str, Any]) -> dict[str, Any]:
 
 def parallel_sizes(cfg: dict[str, Any]) -> dict[str, int]:
     p = cfg["parallel"]
-    return {"tensor_model_parallel_size": p["tp"], "pipeline_model_parallel_size": p["pp"],
-            "context_parallel_size": p["cp"], "expert_model_parallel_size": p["ep"],
-            "expert_tensor_parallel_size": p["etp"]}
+    sizes = {"tensor_model_parallel_size": p["tp"], "pipeline_model_parallel_size": p["pp"],
+             "context_parallel_size": p["cp"], "expert_model_parallel_size": p["ep"],
+             "expert_tensor_parallel_size": p["etp"]}
+    if p.get("vpp", 1) > 1:
+        sizes["virtual_pipeline_model_parallel_size"] = p["vpp"]
+    return sizes
 
 
 def sdpa_core_attention() -> type:
@@ -120,12 +122,13 @@ def choose_experts(config: Any, experts: str) -> str | None:
     return reason
 
 
-def layer_specs(config: Any, normalization: str, experts: str = "grouped_mm") -> Any:
+def layer_specs(config: Any, normalization: str, experts: str = "grouped_mm", vp_stage: int | None = None) -> Any:
     """megatron-core's local (no-TE) decoder block spec with SDPA as every layer's core attention, and MoE
     experts on torch._grouped_mm (experts_grouped.py) unless `experts` is "sequential" or it cannot run."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization,
+                                       vp_stage=vp_stage)
     core = sdpa_core_attention()
     for spec in block.layer_specs:
         spec.submodules.self_attention.submodules.core_attention = core
@@ -134,19 +137,20 @@ def layer_specs(config: Any, normalization: str, experts: str = "grouped_mm") ->
     return block
 
 
-def model_specs(cfg: dict[str, Any], config: Any) -> tuple[Any, Any]:
+def model_specs(cfg: dict[str, Any], config: Any, vp_stage: int | None = None) -> tuple[Any, Any]:
     """The decoder block spec and the MTP block spec (None without MTP or off its stage): megatron's stock spec
     for a uniform model, layers.py's per-layer specs otherwise (Step-3.5-Flash)."""
     m, experts = cfg["model"], cfg["parallel"].get("experts", "grouped_mm")
     if m.get("uniform_attention", True) and not m["mtp_layers"]:
-        return layer_specs(config, m["normalization"], experts), None
+        return layer_specs(config, m["normalization"], experts, vp_stage), None
     if config.num_moe_experts and choose_experts(config, experts) is not None:
         experts = "sequential"
     rank = dist.get_rank() if dist.is_initialized() else 0
     for kind in sorted({(layer["attention"], layer["window"]) for layer in m["layers"] + m["mtp_layers"]}, key=str):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         log(rank, f"{kind[0]} attention layers: {attention.kernel_name(kind[1], device)}")
-    return layers.block_spec(cfg, config, experts), layers.mtp_block_spec(cfg, config, experts)
+    return (layers.block_spec(cfg, config, experts, vp_stage),
+            layers.mtp_block_spec(cfg, config, experts, vp_stage))
 
 
 def _define_missing_te_names() -> None:
@@ -157,26 +161,25 @@ def _define_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_model(cfg: dict[str, Any], config: Any, pre_process: bool = True, post_process: bool = True) -> Any:
+def build_model(cfg: dict[str, Any], config: Any, pre_process: bool = True, post_process: bool = True,
+                vp_stage: int | None = None) -> Any:
+    """GPTModel of this rank's pipeline stage (of its virtual stage `vp_stage` with an interleaved pipeline)."""
     from megatron.core.models.gpt import GPTModel
 
     _define_missing_te_names()
     m = cfg["model"]
-    block, mtp = model_specs(cfg, config)
+    block, mtp = model_specs(cfg, config, vp_stage)
     return GPTModel(config=config, transformer_layer_spec=block, mtp_block_spec=mtp,
                     vocab_size=m["vocab_size"], max_sequence_length=m["max_position_embeddings"],
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
-                    position_embedding_type=m["position_embedding_type"])
+                    position_embedding_type=m["position_embedding_type"], vp_stage=vp_stage)
 
 
 def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -190,20 +193,15 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     config = TransformerConfig(**(transformer_config_kwargs(cfg) | overrides))
     resume_from = megatron_ckpt.skip_initialization(config, out_dir / "checkpoints", rank)
     trace = traces.MemoryTrace(out_dir, rank)
-    model = build_model(cfg, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()).cuda()
-    model = Float16Module(config, model)
     p = cfg["parallel"]
     ddp = ddp_config_kwargs(cfg) | config_overrides(rank, "STEPDEPLOY_DDP_OVERRIDES")
-    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp), module=model)
+    chunks = model_chunks.wrap_chunks([c.cuda() for c in model_chunks.build_chunks(cfg, config, build_model)],
+                                      config, ddp)
+    model = model_chunks.as_one_model(chunks)  # the DDP model, or with VPP its chunks in one
     trace.mark("model")
     files.phase("model")
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
-    if ddp["overlap_grad_reduce"]:
-        config.grad_sync_func = model.start_grad_sync
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=t["lr"], weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95,
-                        bf16=True, use_distributed_optimizer=p["distributed_optimizer"], clip_grad=1.0), [model])
+    model_chunks.attach_grad_sync(config, chunks, ddp["overlap_grad_reduce"])
+    optimizer = model_chunks.build_optimizer(cfg, chunks)
     trace.mark("optimizer")
     files.phase("optimizer")
     params = sum(q.numel() for q in model.parameters())
@@ -223,17 +221,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
             tokens = source.micro_batch(iteration, micro)
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
-        tokens, labels = next(data_iterator)
-        output = model_chunk(tokens, positions, None, labels=labels)
-
-        def loss_func(output_tensor: torch.Tensor) -> Any:
-            loss = output_tensor.float().mean()
-            # clone: the schedule divides the returned loss by the micro-batch count in place
-            return loss, {"lm loss": loss.detach().clone()}
-
-        return output, loss_func
-
+    forward_step = model_chunks.lm_forward_step(positions)
     forward_backward = get_forward_backward_func()
     ckpt_dir, load_parts = out_dir / "checkpoints", {}
     loading = time.time()
@@ -258,7 +246,9 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
             group["lr"] = lr
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(forward_step_func=forward_step, data_iterator=batches(iteration), model=[model],
+        feeds = [batches(iteration) for _ in chunks]  # one stream per chunk: each sees every micro-batch once
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=feeds if len(chunks) > 1 else feeds[0],
+                                  model=chunks,
                                   num_microbatches=micro_batches, seq_length=seq, micro_batch_size=mbs,
                                   decoder_seq_length=seq, forward_only=False)
         if iteration <= start + 2:

@@ -60,18 +60,87 @@ def test_cuda_must_target_the_gpu_architecture(cuda: str, host: HostFacts, ok: b
     assert (not conflicts) is ok
 
 
-@pytest.mark.parametrize("torch, ok", [("2.7.0", True), ("2.6.0+cu126", False)])
-def test_blackwell_needs_torch_2_7(torch: str, ok: bool) -> None:
+@pytest.mark.parametrize("torch, ok", [
+    ("2.7.0", False),  # the default PyPI wheel is built for CUDA 12.6: no sm_100/sm_120 kernels
+    ("2.7.0+cu128", True),  # the cu128 variant has them
+    ("2.7.1+cu126", False),
+    ("2.7.0+cpu", False),
+    ("2.8.0", True),  # its default wheel is built for CUDA 12.8
+    ("2.11.0", True),  # CUDA 13.0
+    ("2.6.0+cu126", False),  # older than 2.7
+])
+def test_blackwell_needs_torch_2_7_built_for_cuda_12_8(torch: str, ok: bool) -> None:
     conflicts = [c for c in check(_profile(torch=torch), GB10) if c.component == "PyTorch"]
     assert (not conflicts) is ok
+    if conflicts and torch.startswith("2.7"):
+        assert "CUDA >= 12.8" in conflicts[0].required and "pytorch" in conflicts[0].source
 
 
-@pytest.mark.parametrize("fa, host, ok", [
-    ("2.8.3", H200, True), ("2.8.3", GB10, False), ("3.5.0", H200, False), (None, GB10, True),
+def test_torch_cuda_build_from_the_local_tag_or_the_default_wheel() -> None:
+    from stepdeploy.compat import torch_cuda_build
+
+    assert torch_cuda_build("2.7.0") == "12.6" and torch_cuda_build("2.7.0+cu128") == "12.8"
+    assert torch_cuda_build("2.11.0+cu130") == "13.0" and torch_cuda_build("2.13.0+cpu") == "none"
+    assert torch_cuda_build("2.9.1") is None  # not in the table: not judged on its build
+
+
+@pytest.mark.parametrize("fa, cuda, host, ok", [
+    ("2.8.3", "13.0", H200, True),
+    ("2.8.3", "13.0", GB10, True),  # FA2 >= 2.7.3 builds sm_120 (GB10 runs it) with CUDA >= 12.8
+    ("2.7.3", "12.9", GB10, True),
+    ("2.7.2.post1", "13.0", GB10, False),  # before setup.py's Blackwell gencodes
+    ("3.5.0", "13.0", H200, False),  # no flash-attn 3.x on PyPI
+    ("1.0.9", "13.0", H200, True),  # 1.x exists (existing_majors follows its comment)
+    (None, "13.0", GB10, True),
 ])
-def test_flash_attn(fa: str | None, host: HostFacts, ok: bool) -> None:
-    conflicts = [c for c in check(_profile(flash_attn=fa), host) if c.component == "flash-attn"]
+def test_flash_attn(fa: str | None, cuda: str, host: HostFacts, ok: bool) -> None:
+    conflicts = [c for c in check(_profile(flash_attn=fa, cuda=cuda), host) if c.component == "flash-attn"]
     assert (not conflicts) is ok
+    assert all("https://" in c.source for c in conflicts)
+
+
+def test_flash_attn_on_blackwell_needs_nvcc_12_8() -> None:
+    b200 = HostFacts("b200-1", "x86_64", (Gpu("NVIDIA B200", "10.0"),))
+    conflicts = [c for c in check(_profile(flash_attn="2.8.3", cuda="12.6", driver="590.44.01"), b200)
+                 if c.component == "flash-attn"]
+    assert conflicts and "CUDA >= 12.8" in conflicts[0].required and "setup.py" in conflicts[0].source
+
+
+@pytest.mark.parametrize("gpu, arch", [
+    (Gpu("NVIDIA A10", "8.6"), ("86", "ampere")),
+    (Gpu("NVIDIA A10"), ("86", "ampere")),  # by name: A10 is not A100
+    (Gpu("NVIDIA A100-SXM4-80GB"), ("80", "ampere")),
+    (Gpu("NVIDIA L40S"), ("89", "ada")),
+    (Gpu("NVIDIA L4"), ("89", "ada")),
+    (Gpu("NVIDIA B300"), ("103", "blackwell")),
+])
+def test_sm86_sm89_and_b300_by_name_or_capability(gpu: Gpu, arch: tuple[str, str]) -> None:
+    assert gpu_arch(gpu) == arch
+
+
+@pytest.mark.parametrize("name, cap, cuda, ok", [
+    ("NVIDIA A10", "8.6", "11.1", True), ("NVIDIA A10", "8.6", "11.0", False),
+    ("NVIDIA L4", "8.9", "11.8", True), ("NVIDIA L4", "8.9", "11.7", False),
+    ("NVIDIA B300", "10.3", "12.9", True), ("NVIDIA B300", "10.3", "12.8", False),
+])
+def test_cuda_minimum_for_sm86_sm89_sm103_with_its_release_notes(name: str, cap: str, cuda: str, ok: bool) -> None:
+    host = HostFacts("h", "x86_64", (Gpu(name, cap),))
+    conflicts = [c for c in check(_profile(cuda=cuda, driver="590.44.01"), host) if c.component == "CUDA"]
+    assert (not conflicts) is ok
+    assert all(c.source.startswith("https://docs.nvidia.com/cuda/") for c in conflicts)
+
+
+def test_every_matrix_entry_names_a_primary_source() -> None:
+    from stepdeploy.compat import matrix
+
+    m = matrix()
+    sources = [g["source"] for g in m["gpus"]]
+    sources += [e["source"] for key in ("sm_min_cuda", "torch_default_wheel_cuda") for e in m[key]["table"].values()]
+    sources += [r["source"] for r in m["torch_min_for_family"]["table"].values()]
+    sources += [m["flash_attn"][k] for k in ("fa2_source", "majors_source")]
+    sources.append(m["flash_attn"]["fa2_blackwell"]["source"])
+    sources.append(m["cuda_min_driver"]["source"])
+    assert all("https://" in source for source in sources), [s for s in sources if "https://" not in s]
 
 
 @pytest.mark.parametrize("mcore, python, ok", [

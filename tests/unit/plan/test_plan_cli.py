@@ -102,3 +102,21 @@ def test_mixed_nodes_and_unknown_gpu_are_refused() -> None:
         shape_from_cluster(_Cluster(_Node("H100"), _Node("H200")))
     with pytest.raises(BadInput, match="does not say which GPU"):
         shape_from_cluster(_Cluster(_Node(None)))
+
+
+@pytest.mark.parametrize("args", [
+    ("-m", "tiny-moe", "--explain", "--json"),
+    ("-m", "tiny-moe", "--nodes", "1", "--gpus-per-node", "2", "--gpu", "H100", "--explain", "--json"),
+    ("-m", "tiny-moe", "--nodes", "1", "--gpus-per-node", "2", "--gpu", "H100", "--explain", "--json",
+     "--layout", "tp=2"),
+    ("-m", "tiny-moe", "--nodes", "1", "--gpus-per-node", "2", "--gpu", "H100", "--json"),
+])
+def test_json_is_exactly_one_document_explain_included(capsys: pytest.CaptureFixture[str],
+                                                        args: tuple[str, ...]) -> None:
+    _, out, _ = run(capsys, *args)
+    decoder = json.JSONDecoder()
+    data, end = decoder.raw_decode(out)
+    assert out[end:].strip() == "", f"more than one JSON document on stdout: {out[end:end + 200]!r}"
+    if "--explain" in args:
+        parameters = data if "--nodes" not in args else data["parameters"]
+        assert parameters["total"] > 0 and parameters["layers"]

@@ -43,6 +43,12 @@ CASES = {
         Layout(vpp=3),
         "needs pipeline parallelism",
     ),
+    "vpp-microbatches": (
+        step_job(16, gbs=256),
+        Layout(pp=4, vpp=3, mbs=1),
+        Layout(pp=4, vpp=3, mbs=32),
+        "2 micro-batch(es) per step, fewer than PP=4",
+    ),
     "sp-needs-tp": (
         step_job(8),
         Layout(tp=2, sequence_parallel=True),
