@@ -33,7 +33,7 @@ class Thresholds:
     spike_z: float = 6.0  # ... by this robust z-score (MAD) ...
     spike_min_rise: float = 0.05  # ... and at least 5 % above it
     max_loss_spikes: int = 0
-    max_grad_norm_ratio: float = 10.0  # after warm-up: a gradient norm over its running median; the last over the first
+    max_grad_norm_ratio: float = 10.0  # after warm-up: a gradient norm over the largest of the spike_window before it
     max_expert_load: float = 4.0  # MoE, after warm-up: median over steps of the busiest expert / the mean
     max_busiest_share: float = 0.9  # MoE: ... and that load over its ceiling E/k (1.0: one expert takes every token)
     max_dropped: float = 0.0  # MoE: routed assignments dropped in a step (stepdeploy renders dropless dispatchers)

@@ -78,19 +78,25 @@ H200_SLICE_NORMS = [
     1.88, 1.47, 1.45, 1.77, 1.55, 1.33, 1.56, 1.33]
 
 
-def test_gradient_norms_falling_from_a_fresh_start_pass_and_a_jump_or_a_climb_fails() -> None:
-    n = len(H200_SLICE_NORMS)
-    ok = grad_norm_range(run([2.0] * n, grad_norm=H200_SLICE_NORMS), warmup=6, t=T)
-    assert ok.passed, ok.reason  # its largest after warm-up is 18x the soak's median: the early steps
-    assert ok.measured["max"] == 69.24 and ok.measured["growth"] < 0.1
+# ... and the dense proxy's soak through the local executor (H200 call R): from a fresh start they rise from 0.3 to
+# 10 by step 40 (lr warm-up 6 iterations), then fall.
+H200_DENSE_NORMS = [
+    2.42, 1.54, 0.92, 0.6, 0.43, 0.38, 0.83, 0.52, 0.55, 0.31, 0.29, 0.27, 0.27, 0.41, 0.44, 0.32, 0.56, 1.44, 0.67,
+    1.47, 0.91, 2.3, 4.02, 2.71, 4.03, 4.97, 5.97, 7.2, 7.43, 8.43, 8.57, 9.04, 9.22, 9.53, 9.72, 9.63, 9.65, 9.22,
+    10.1, 9.69, 9.97, 9.77, 9.65, 9.28, 8.66, 8.3, 7.99, 8.11, 8.1, 8.75, 8.26, 8.35, 8.98, 9.07, 7.45, 9.03, 8.01,
+    7.36, 5.78, 6.32, 5.81, 5.74, 6.1, 5.77, 5.51, 5.13, 5.34, 4.69, 5.25]
+
+
+def test_gradient_norms_moving_tenfold_from_a_fresh_start_pass_and_a_sudden_jump_fails() -> None:
+    for norms in (H200_SLICE_NORMS, H200_DENSE_NORMS):
+        ok = grad_norm_range(run([2.0] * len(norms), grad_norm=norms), warmup=6, t=T)
+        assert ok.passed, ok.reason  # the slice's largest is 18x the soak's median, the dense's last 18x its first
+        assert ok.measured["max"] == max(norms[6:]) and ok.measured["spikes"] == []
     jumped = list(H200_SLICE_NORMS)
-    jumped[90] = 40.0  # one step at 13x the 3.0 around it
-    bad = grad_norm_range(run([2.0] * n, grad_norm=jumped), warmup=6, t=T)
+    jumped[90] = 60.0  # one step at 10.2x the largest of the 20 before it (5.89)
+    bad = grad_norm_range(run([2.0] * len(jumped), grad_norm=jumped), warmup=6, t=T)
     assert not bad.passed and [s["iteration"] for s in bad.measured["spikes"]] == [91]
-    assert "first at iteration 91" in bad.reason
-    climbing = [1.0 * 1.05 ** i for i in range(100)]  # no step jumps 10x, yet 130x in all: diverging
-    climb = grad_norm_range(run([2.0] * 100, grad_norm=climbing), warmup=5, t=T)
-    assert not climb.passed and not climb.measured["spikes"] and "climbing" in climb.reason
+    assert "first at iteration 91 (60 vs 5.89)" in bad.reason
     steady = [1.0 + 0.1 * (i % 3) for i in range(60)]
     assert grad_norm_range(run([2.0] * 60, grad_norm=steady), warmup=3, t=T).passed
     nonfinite = grad_norm_range(run([2.0] * 4, grad_norm=[1.0, math.inf, 1.0, 1.0]), warmup=0, t=T)
