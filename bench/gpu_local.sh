@@ -6,7 +6,7 @@
 # megatron-core's HybridDeviceOptimizer (offload), 20 iterations each, peak memory and step time to compare with
 # `stepdeploy plan` (docs/benchmarks.md). Results in $OUT/local.tgz.
 #
-#   OUT=/tmp/out bash bench/gpu_local.sh .debs .whl      # the device machine's $OUT ($1 unused: no sshd)
+#   OUT=/tmp/out [STEPS="preflight rollout offload"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -24,9 +24,13 @@ inv=/tmp/box.ini
 printf '%s\n' '[gpu]' 'h200 ansible_host=127.0.0.1 ansible_connection=local' '' '[gpu:vars]' \
     'stepdeploy_gpus_per_node=1' 'stepdeploy_gpu_model=H200' 'stepdeploy_fabric=ethernet' > "$inv"
 
+steps=" ${STEPS:-preflight rollout offload} "
+if [[ $steps == *" preflight "* ]]; then
 timeout 150 python3 -m stepdeploy preflight "$inv" --json > "$keep/preflight.json" 2> "$keep/preflight.log"
 echo "preflight exit $?"
+fi
 
+if [[ $steps == *" rollout "* ]]; then
 started=$SECONDS
 timeout 300 python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir /tmp/local-dense \
     -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 100s --checkpoint-interval 40 \
@@ -36,8 +40,9 @@ tail -n 2 "$keep/local-dense.log"
 python3 -m stepdeploy report /tmp/local-dense > "$keep/local-dense-report.txt" 2>&1
 left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
 echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-dense.log"
+fi
 
-for v in foreach:mbs=4 offload:mbs=4,offload=on,precision_aware_optimizer=on; do
+[[ $steps == *" offload "* ]] && for v in foreach:mbs=4 offload:mbs=4,offload=on,precision_aware_optimizer=on; do
     n=${v%%:*} layout=${v#*:}
     run=/tmp/opt-$n
     python3 -m stepdeploy render -i "$inv" -m proxy-0.7b-dense --stage warmup --iterations 20 --save-interval 0 \
