@@ -119,9 +119,12 @@ class OwnTmp:
 def test_the_sweep_does_not_import_a_torch_planted_in_tmp(tmp_path: Path) -> None:
     """A local user who plants /tmp/torch/ must not get code run as root (the sweep used to run
     `cd /tmp && python -m torch.distributed.run`, and -m puts the working directory first on sys.path)."""
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare for a private /tmp")
+    if any(Path(p).resolve().is_relative_to("/tmp") for p in (sys.prefix, torch.__file__)):
+        # the private /tmp the sweep gets would hide this interpreter or its torch (a checkout under /tmp)
+        pytest.skip(f"the test's python ({sys.prefix}) or torch lives under /tmp, which the test replaces")
     own_tmp = tmp_path / "tmp"
     marker = own_tmp / "PWNED"  # /tmp/PWNED to the sweep
     (own_tmp / "torch").mkdir(parents=True)
