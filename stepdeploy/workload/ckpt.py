@@ -157,34 +157,8 @@ def repair(ckpt_dir: Path) -> list[str]:
     if not ckpt_dir.is_dir():
         return []
     done: list[str] = []
-    for path in _entries(ckpt_dir):
-        staged = _STAGED.fullmatch(path.name)
-        if not staged:
-            continue
-        iteration = int(staged.group(1))
-        final = ckpt_dir / iteration_name(iteration)
-        if is_complete(path, iteration) and not is_complete(final, iteration):
-            if final.exists():
-                _discard(final)
-            os.replace(path, final)
-            done.append(f"rolled sealed {path.name} forward to {final.name}")
-        else:
-            _remove(path)
-            done.append(f"removed {path.name}")
-    for path in _entries(ckpt_dir):
-        aside = _ASIDE.fullmatch(path.name)
-        if not aside:
-            continue
-        iteration = int(aside.group(1))
-        final = ckpt_dir / iteration_name(iteration)
-        if not is_complete(final, iteration) and is_complete(path, iteration):
-            if final.exists():
-                _discard(final)
-            os.replace(path, final)
-            done.append(f"put {path.name} back as {final.name}")
-        else:
-            _remove(path)
-            done.append(f"removed {path.name}")
+    done += _put_in_place(ckpt_dir, _STAGED, "rolled sealed {name} forward to {final}")
+    done += _put_in_place(ckpt_dir, _ASIDE, "put {name} back as {final}")
     for path in _entries(ckpt_dir):
         if _DOOMED.fullmatch(path.name):
             _remove(path)
@@ -194,6 +168,27 @@ def repair(ckpt_dir: Path) -> list[str]:
         _fsync_dir(ckpt_dir)
     return done
 
+
+
+def _put_in_place(ckpt_dir: Path, pattern: re.Pattern[str], verb: str) -> list[str]:
+    """Each copy of an iteration `pattern` names (group 1: the iteration) replaces a final directory that is not
+    complete when the copy is; otherwise the copy is removed. -> what was done"""
+    done: list[str] = []
+    for path in _entries(ckpt_dir):
+        match = pattern.fullmatch(path.name)
+        if not match:
+            continue
+        iteration = int(match.group(1))
+        final = ckpt_dir / iteration_name(iteration)
+        if is_complete(path, iteration) and not is_complete(final, iteration):
+            if final.exists():
+                _discard(final)
+            os.replace(path, final)
+            done.append(verb.format(name=path.name, final=final.name))
+        else:
+            _remove(path)
+            done.append(f"removed {path.name}")
+    return done
 
 def _repair_latest(ckpt_dir: Path) -> list[str]:
     try:
