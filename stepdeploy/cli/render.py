@@ -61,19 +61,19 @@ def render(
     rendered = build(inventory, model, layout, opts, facts_dir)
     for note in rendered.notes:
         err.print(f"note: {note}", markup=False, soft_wrap=True)
-    manifest = json.loads(rendered.file("manifest.json").text)
-    with_facts = [node for node in manifest["nodes"] if "facts" in node]
+    manifest = rendered.manifest
+    with_facts = [node for node in manifest.nodes if node.facts]
     if with_facts:
-        err.print(f"NCCL settings of {', '.join(n['name'] for n in with_facts)} from the facts provisioning saved "
-                  f"in {Path(with_facts[0]['facts']['path']).parent}", markup=False, soft_wrap=True)
+        err.print(f"NCCL settings of {', '.join(n.name for n in with_facts)} from the facts provisioning saved "
+                  f"in {Path(str(with_facts[0].facts['path'])).parent}", markup=False, soft_wrap=True)
     if not dry_run:
         write_run(rendered, out_dir)
     if as_json:
-        emit_json(json.loads(rendered.file("manifest.json").text))
+        emit_json(json.loads(rendered.file("manifest.json").text))  # the file as written, key order kept
         return
     verb = "would write" if dry_run else "wrote"
     out.print(f"{verb} {out_dir} (run {rendered.run_id}, {rendered.workload['engine']} engine, "
-              f"layout {json.loads(rendered.file('manifest.json').text)['layout']}, "
+              f"layout {manifest.layout}, "
               f"{len(rendered.placements)} node(s), remote {rendered.run_dir})", markup=False)
     for item in rendered.files:
         out.print(f"  {item.sha256[:12]}  {item.path}", markup=False)

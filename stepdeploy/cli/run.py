@@ -24,7 +24,7 @@ from stepdeploy.errors import EXIT_FAILED, EXIT_UNREACHABLE, BadInput
 from stepdeploy.inventory import load_cluster
 from stepdeploy.remote import registry
 from stepdeploy.remote.executor import UNREACHABLE, Executor, LogCursor, NodeResult, RunStatus
-from stepdeploy.render.manifest import inventory_of, read_manifest
+from stepdeploy.render.manifest import Manifest
 
 app = typer.Typer(help="Launch, follow and stop a rendered run on its nodes (SSH, Slurm, or this machine).",
                   epilog="Example: stepdeploy run launch runs/r1 --follow && stepdeploy run stop runs/r1",
@@ -40,8 +40,8 @@ EXECUTOR = typer.Option(None, "--executor", help=f"{registry.HELP} (default: the
 def executor_for(run_dir: Path, inventory: str | None, insecure: bool = False,
                  executor: str | None = None) -> Executor:
     """The run's executor: remote/registry.py decides from the manifest, the inventory and `executor`."""
-    manifest = read_manifest(run_dir)
-    cluster = load_cluster(inventory or inventory_of(manifest, run_dir / "manifest.json"))
+    manifest = Manifest.load(run_dir)
+    cluster = load_cluster(inventory or manifest.inventory_path(run_dir / "manifest.json"))
     if registry.kind_for(manifest, cluster, executor) != "local":  # local connects to nothing
         cluster = check_host_keys(cluster, insecure)
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -12,7 +12,8 @@ from stepdeploy.stack import StackProfile
 Connection = Literal["ssh", "local"]
 Arch = Literal["x86_64", "aarch64"]
 Fabric = Literal["infiniband", "roce", "ethernet"]
-ExecutorKind = Literal["fabric", "slurm"]
+ExecutorKind = Literal["fabric", "slurm", "local"]  # remote/registry.py has one module per name
+EXECUTOR_KINDS: tuple[str, ...] = get_args(ExecutorKind)
 SlurmTasks = Literal["node", "gpu"]
 
 

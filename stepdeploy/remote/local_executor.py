@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.remote.executor import EventSink
 from stepdeploy.remote.node_executor import NodeExecutor, targets_from
 from stepdeploy.remote.transport import Channel, LocalChannel, is_local, session_environment
+from stepdeploy.render.manifest import Manifest
 
 
 class LocalExecutor(NodeExecutor):
@@ -30,12 +30,12 @@ class LocalExecutor(NodeExecutor):
     one_machine = True
 
 
-def create(manifest: dict[str, Any], cluster: Cluster, local_run: Path, on_event: EventSink) -> LocalExecutor:
+def create(manifest: Manifest, cluster: Cluster, local_run: Path, on_event: EventSink) -> LocalExecutor:
     """The local executor of a rendered run. A run of several nodes runs here only when the inventory says
     every one of them is this machine (ansible_connection=local): their ranks would look for each other at
     the other hosts' addresses otherwise."""
     del local_run, on_event
-    names = [node["name"] for node in manifest["nodes"]]
+    names = manifest.node_names
     by_name = {node.name: node for node in cluster.nodes}
     elsewhere = [n for n in names if n in by_name and not is_local(by_name[n])]
     if len(names) > 1 and elsewhere:
@@ -44,7 +44,7 @@ def create(manifest: dict[str, Any], cluster: Cluster, local_run: Path, on_event
                        hint="use --executor fabric, or an inventory whose hosts are all ansible_connection=local")
     env = session_environment()
     channels: dict[str, Channel] = {name: LocalChannel(name, env=env) for name in names}
-    return LocalExecutor(manifest["run_id"], manifest["run_dir"], targets_from(manifest, channels))
+    return LocalExecutor(manifest.run_id, manifest.run_dir, targets_from(manifest, channels))
 
 
 __all__ = ["LocalExecutor", "create"]

@@ -35,6 +35,7 @@ from stepdeploy.remote.executor import (
     Target,
 )
 from stepdeploy.remote.transport import CALL_TIMEOUT_S, Channel, Ran, each
+from stepdeploy.render.manifest import Manifest
 
 T = TypeVar("T")
 PROBE = resources.files("stepdeploy.remote").joinpath("node_probe.py").read_text()
@@ -260,13 +261,13 @@ def _tarball(local_run: Path) -> bytes:
     return buffer.getvalue()
 
 
-def targets_from(manifest: dict[str, Any], channels: dict[str, Channel]) -> list[Target]:
+def targets_from(manifest: Manifest, channels: dict[str, Channel]) -> list[Target]:
     """Targets for the nodes a manifest names, reached through `channels` (by node name; KeyError: a node
     the inventory lacks)."""
-    missing = [n["name"] for n in manifest["nodes"] if n["name"] not in channels]
+    missing = [name for name in manifest.node_names if name not in channels]
     if missing:
         raise KeyError(f"the inventory has no node {', '.join(missing)}")
-    return [Target(n["name"], channels[n["name"]], n["dir"]) for n in manifest["nodes"]]
+    return [Target(n.name, channels[n.name], n.dir) for n in manifest.nodes]
 
 
 __all__ = ["DEADLINE_S", "NodeExecutor", "targets_from"]

@@ -16,6 +16,7 @@ node of the run is this machine (ansible_connection=local), else fabric (SSH).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.remote.executor import EventSink, Executor, no_events
 from stepdeploy.remote.transport import is_local
+from stepdeploy.render.manifest import Manifest
 
 EXECUTORS = {
     "fabric": "stepdeploy.remote.fabric_executor",  # SSH to every node (the default)
@@ -53,9 +55,10 @@ def default_kind(cluster: Cluster, requested: str | None = None) -> str:
     return check_kind(requested) or cluster.executor or ("local" if all_local(cluster) else DEFAULT)
 
 
-def kind_for(manifest: dict[str, Any], cluster: Cluster, requested: str | None = None) -> str:
+def kind_for(manifest: Manifest | Mapping[str, Any], cluster: Cluster, requested: str | None = None) -> str:
     """The executor that drives the rendered run `manifest` (see the module's docstring)."""
-    rendered = manifest.get("executor")
+    manifest = Manifest.of(manifest)
+    rendered = manifest.executor
     check_kind(requested)
     if rendered == "slurm" or requested == "slurm":
         if rendered != requested and requested is not None:
@@ -66,12 +69,13 @@ def kind_for(manifest: dict[str, Any], cluster: Cluster, requested: str | None =
         return requested
     if rendered in EXECUTORS:
         return str(rendered)
-    return "local" if all_local(cluster, [n["name"] for n in manifest["nodes"]]) else DEFAULT
+    return "local" if all_local(cluster, manifest.node_names) else DEFAULT
 
 
-def create(manifest: dict[str, Any], cluster: Cluster, local_run: Path, *, requested: str | None = None,
-           on_event: EventSink = no_events) -> Executor:
+def create(manifest: Manifest | Mapping[str, Any], cluster: Cluster, local_run: Path, *,
+           requested: str | None = None, on_event: EventSink = no_events) -> Executor:
     """The executor that drives the rendered run in `local_run` (KeyError: a node the inventory lacks)."""
+    manifest = Manifest.of(manifest)
     module = importlib.import_module(EXECUTORS[kind_for(manifest, cluster, requested)])
     return module.create(manifest, cluster, local_run, on_event)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
+from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.remote import slurm_jobs as sj
 from stepdeploy.remote.executor import (
@@ -34,6 +34,7 @@ from stepdeploy.remote.executor import (
 from stepdeploy.remote.node_executor import NodeExecutor, targets_from
 from stepdeploy.remote.ssh import Endpoint, endpoint_for
 from stepdeploy.remote.transport import CALL_TIMEOUT_S, CONNECT_TIMEOUT_S, Ran, SshChannel, channel_for
+from stepdeploy.render.manifest import Manifest
 
 JOBS_FILE = "slurm-jobs"
 
@@ -224,12 +225,15 @@ def controller_endpoint(cluster: Cluster) -> Endpoint:
                     known_hosts=first.known_hosts, proxy_jump=first.proxy_jump)
 
 
-def create(manifest: dict[str, Any], cluster: Cluster, local_run: Path, on_event: EventSink) -> SlurmExecutor:
+def create(manifest: Manifest, cluster: Cluster, local_run: Path, on_event: EventSink) -> SlurmExecutor:
     """The slurm executor of a run rendered for it (manifest `executor: slurm`); job events go to `on_event`."""
     channels = {node.name: channel_for(node) for node in cluster.nodes}
-    slurm = manifest["slurm"]
-    return SlurmExecutor(manifest["run_id"], manifest["run_dir"], targets_from(manifest, channels),
-                         controller_endpoint(cluster), job_name=slurm["job_name"], script=slurm["script"],
+    slurm = manifest.slurm
+    if slurm is None:
+        raise BadInput(f"run {manifest.run_id} was not rendered for Slurm (no slurm section in its manifest)",
+                       hint="render it again with --executor slurm")
+    return SlurmExecutor(manifest.run_id, manifest.run_dir, targets_from(manifest, channels),
+                         controller_endpoint(cluster), job_name=slurm.job_name, script=slurm.script,
                          jobs_file=local_run / JOBS_FILE, on_event=on_event)
 
 

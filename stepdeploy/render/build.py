@@ -118,26 +118,37 @@ def write_run(rendered: RenderedRun, out_dir: Path) -> None:
 
 def build(inventory: str, model: str, layout: str | None, opts: RenderOptions,
           facts_dir: Path | None = None) -> RenderedRun:
-    """Everything up to the text of the files (reads the inventory, the catalog and the NCCL facts that
-    provisioning saved — `facts_dir`, else the inventory's default facts directory when it exists; writes
-    nothing)."""
-    cluster, spec = load_cluster(inventory), load_model(model)
-    facts = facts_for(inventory, [node.name for node in cluster.nodes], facts_dir)
+    """`stepdeploy render`: the run of `model` on every node of `inventory` (see build_run; writes nothing)."""
+    rendered, _summary = build_run(load_cluster(inventory), load_model(model), layout, opts, facts_dir=facts_dir)
+    return rendered
+
+
+def build_run(cluster: Cluster, spec: ModelSpec, layout: str | None, opts: RenderOptions, *,
+              facts_dir: Path | None = None, inputs: dict[str, Any] | None = None,
+              ) -> tuple[RenderedRun, dict[str, Any]]:
+    """The one render path (the CLI's `render` and every rollout attempt): the layout chosen or judged, the
+    peak TFLOPS of the nodes' GPU, the NCCL facts provisioning saved (`facts_dir`, else the inventory's default
+    facts directory when it exists) and the prepared dataset, rendered into the text of every file. `inputs`:
+    more for the manifest's inputs (the rollout's rung). Returns the run and the planner's summary of its layout;
+    writes nothing."""
+    facts = facts_for(cluster.source, [node.name for node in cluster.nodes], facts_dir)
     seq = opts.seq_length or spec.training.seq_length
     gbs = opts.global_batch_size or spec.training.global_batch_size
     chosen, summary = choose_layout(cluster, spec, layout, seq, gbs)
-    gpu_model = cluster.nodes[0].gpu_model
     peak = None
-    if cluster.nodes[0].gpus_per_node and gpu_model:
-        hardware = load_hardware()
-        peak = hardware.peak_tflops(shape_from_cluster(cluster).gpu)
-    inputs = {"inventory": {"path": str(Path(inventory).resolve()), "sha256": sha256_file(Path(inventory))},
-              "model": {"name": spec.name, "sha256": hashlib.sha256(spec.model_dump_json().encode()).hexdigest()},
-              "layout": {"given": layout, **summary}}
+    if cluster.nodes[0].gpus_per_node and cluster.nodes[0].gpu_model:
+        peak = load_hardware().peak_tflops(shape_from_cluster(cluster).gpu)
+    source = Path(cluster.source)
+    inventory = {"path": str(source.resolve())} | ({"sha256": sha256_file(source)} if source.is_file() else {})
+    manifest_inputs = {"inventory": inventory,
+                       "model": {"name": spec.name,
+                                 "sha256": hashlib.sha256(spec.model_dump_json().encode()).hexdigest()},
+                       "layout": {"given": layout, **summary}, **(inputs or {})}
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return render_run(cluster, spec, chosen, opts, inputs=inputs, created=created, version=__version__,
-                      workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak,
-                      dataset=shipped_dataset(opts))
+    rendered = render_run(cluster, spec, chosen, opts, inputs=manifest_inputs, created=created, version=__version__,
+                          workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak,
+                          dataset=shipped_dataset(opts))
+    return rendered, {**summary, "layout": chosen.short()}
 
 
 def shipped_dataset(opts: RenderOptions) -> ShippedDataset | None:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from stepdeploy.errors import BadInput
+from stepdeploy.inventory.model import EXECUTOR_KINDS
 
 NODE_PYTHON = "/opt/stepdeploy/venv/bin/python"
 REMOTE_RUNS = "/var/lib/stepdeploy/runs"
@@ -88,7 +89,7 @@ class RenderOptions:
             raise BadInput(f"learning rate {self.lr} must be a positive finite number")
         if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
             raise BadInput(f"peak TFLOP/s {self.peak_tflops} must be a positive finite number")
-        if self.executor not in (None, "fabric", "slurm", "local"):  # remote/registry.py's names
+        if self.executor is not None and self.executor not in EXECUTOR_KINDS:  # remote/registry.py's names
             raise BadInput(f"unknown executor {self.executor!r}; use fabric or slurm, or local (this machine)")
         if self.rendezvous not in ("static", "c10d"):
             raise BadInput(f"unknown rendezvous {self.rendezvous!r}; use static or c10d")

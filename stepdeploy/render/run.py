@@ -25,6 +25,7 @@ from stepdeploy.inventory.model import Cluster, Node
 from stepdeploy.plan.layout import Layout
 from stepdeploy.render import sbatch, templating
 from stepdeploy.render.environment import NodeFacts, node_environment
+from stepdeploy.render.manifest import Manifest
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, check_stack, choose_engine, workload_config
 
@@ -77,6 +78,10 @@ class RenderedRun:
 
     def file(self, path: str) -> RenderedFile:
         return next(f for f in self.files if f.path == path)
+
+    @property
+    def manifest(self) -> Manifest:
+        return Manifest.from_text(self.file("manifest.json").text)
 
 
 def node_dir(rank: int, name: str) -> str:
@@ -140,14 +145,15 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
                                   "env.sh.j2", node=place.node.name))
         files.append(RenderedFile(place.launch_script, templating.render("launch.sh.j2", **values),
                                   "launch.sh.j2", executable=True, node=place.node.name))
-    slurm = sbatch.executor_kind(cluster, opts) == "slurm"
+    kind = sbatch.executor_kind(cluster, opts)
+    slurm = kind == "slurm"
     if slurm:
         files.append(RenderedFile(sbatch.SBATCH_SCRIPT, sbatch.render_sbatch(cluster, opts, placements, common, nproc),
                                   "sbatch.sh.j2", executable=True))
     manifest = _manifest(opts, inputs, created, version, files, placements, notes, layout, engine, facts or {})
     if slurm:
         manifest |= sbatch.manifest_entry(cluster, opts, nproc)
-    elif opts.executor == "local":  # the run is driven on this machine, also by a later `run`/`rollout stop`
+    elif kind == "local":  # the run is driven on this machine, also by a later `run`/`rollout stop`
         manifest |= {"executor": "local"}
     files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest),
                               "manifest.json.j2"))

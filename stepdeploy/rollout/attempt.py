@@ -7,23 +7,20 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stepdeploy import __version__
-from stepdeploy.catalog import load_hardware, load_model
+from stepdeploy.catalog import load_model
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.monitor.parse_workload import LAYER_METRICS
-from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.remote import registry
 from stepdeploy.remote.executor import EventSink, Executor, RunStatus
-from stepdeploy.render import RenderOptions, load_workload_sources, render_run
-from stepdeploy.render.build import choose_layout, shipped_dataset, write_run
-from stepdeploy.render.manifest import read_manifest
+from stepdeploy.render import RenderOptions
+from stepdeploy.render.build import build_run, write_run
+from stepdeploy.render.manifest import Manifest
 from stepdeploy.rollout.clock import REAL, Clock
 from stepdeploy.rollout.ladder import Rung, sub_cluster
 
@@ -48,32 +45,18 @@ class Live:
 
 
 def render_attempt(cluster: Cluster, rung: Rung, opts: RenderOptions, layout: str | None, dest: Path) -> dict[str, Any]:
-    """Write the rung's run directory to `dest`; returns the planner's summary (prediction) for its layout."""
-    sub = sub_cluster(cluster, rung.nodes)
-    spec = load_model(rung.model)
-    seq = opts.seq_length or spec.training.seq_length
-    gbs = opts.global_batch_size or spec.training.global_batch_size
-    chosen, summary = choose_layout(sub, spec, layout, seq, gbs)
-    peak = None
-    if sub.nodes[0].gpus_per_node and sub.nodes[0].gpu_model:
-        peak = load_hardware().peak_tflops(shape_from_cluster(sub).gpu)
-    inputs = {"inventory": {"path": str(cluster.source)}, "model": {"name": spec.name},
-              "layout": {"given": layout, **summary}, "rung": rung.as_dict()}
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    from stepdeploy.render.facts import facts_for  # NCCL facts provisioning saved next to the inventory
-
-    facts = facts_for(cluster.source, [node.name for node in sub.nodes])
-    rendered = render_run(sub, spec, chosen, opts, inputs=inputs, created=created, version=__version__,
-                          workload_sources=load_workload_sources(), facts=facts, peak_tflops=peak,
-                          dataset=shipped_dataset(opts))
+    """Write the rung's run directory to `dest` (render/build.py's build_run on the rung's nodes); returns the
+    planner's summary (prediction) for its layout."""
+    rendered, summary = build_run(sub_cluster(cluster, rung.nodes), load_model(rung.model), layout, opts,
+                                  inputs={"rung": rung.as_dict()})
     write_run(rendered, dest)
-    return {**summary, "layout": chosen.short()}
+    return summary
 
 
 def executor_for(cluster: Cluster, local_run: Path, on_event: EventSink | None = None) -> Executor:
     """The executor of the attempt rendered in `local_run` (remote/registry.py chooses it from its manifest and
     the inventory). Its events go to `on_event`, else to the rollout's ledger (ledger_events)."""
-    manifest = read_manifest(local_run)
+    manifest = Manifest.load(local_run)
     try:
         return registry.create(manifest, cluster, local_run,
                                on_event=on_event or ledger_events(local_run, manifest, cluster))
@@ -81,13 +64,13 @@ def executor_for(cluster: Cluster, local_run: Path, on_event: EventSink | None =
         raise BadInput(f"{exc.args[0]}; the run was rendered for other nodes") from None
 
 
-def ledger_events(local_run: Path, manifest: dict[str, Any], cluster: Cluster) -> EventSink:
+def ledger_events(local_run: Path, manifest: Manifest, cluster: Cluster) -> EventSink:
     """An executor's events into the rollout's ledger, as kind <executor> with the attempt's stage and rung. An
     attempt lives in `<rollout>/attempts/<attempt>`, its ledger in `<rollout>/ledger.sqlite`; outside a rollout
     (no ledger there) the events go nowhere."""
     path = local_run.resolve().parent.parent / "ledger.sqlite"
     kind = registry.kind_for(manifest, cluster)
-    stage, rung = manifest.get("stage"), (manifest.get("inputs", {}).get("rung") or {}).get("name")
+    stage, rung = manifest.stage, manifest.rung
 
     def sink(message: str, data: dict[str, Any]) -> None:
         if not path.exists():

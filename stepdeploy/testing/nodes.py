@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stepdeploy.remote.executor import EXITED, RUNNING, UNREACHABLE, NodeStatus, RankStatus
+from stepdeploy.render.manifest import Manifest
 from stepdeploy.rollout.clock import Clock
 from stepdeploy.testing.executor import FakeExecutor, FakeTarget
 
@@ -130,9 +130,9 @@ class FakeNodes:
         """The executor of the run rendered in `local` (its manifest names the nodes), as attempt.executor_for."""
         targets, run_id = [FakeTarget(n, f"nodes/{i}-{n}") for i, n in enumerate(self.nodes, 1)], "fake-run"
         if local is not None and (local / "manifest.json").exists():
-            manifest = json.loads((local / "manifest.json").read_text())
-            targets = [FakeTarget(n["name"], n["dir"]) for n in manifest["nodes"]]
-            run_id = manifest["run_id"]
+            manifest = Manifest.load(local)
+            targets = [FakeTarget(n.name, n.dir) for n in manifest.nodes]
+            run_id = manifest.run_id
         return FakeExecutor(self, targets, run_id)
 
     # --- the world on the clock ---------------------------------------------------------------------------------

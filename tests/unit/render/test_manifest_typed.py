@@ -1,0 +1,87 @@
+"""One render path and one typed manifest: `stepdeploy render` and a rollout attempt both go through
+render/build.py's build_run (same inputs, same hashes, the attempt adding its rung); every reader of a run
+directory gets a `Manifest` from `Manifest.load`; the executor names are one list."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stepdeploy.errors import BadInput
+from stepdeploy.inventory import load_cluster
+from stepdeploy.inventory.model import EXECUTOR_KINDS
+from stepdeploy.remote import registry
+from stepdeploy.render import RenderOptions
+from stepdeploy.render.build import build, write_run
+from stepdeploy.render.manifest import Manifest
+from stepdeploy.rollout.attempt import render_attempt
+from stepdeploy.rollout.ladder import Rung
+
+INI = """[sim]
+node1 ansible_host=10.83.0.11
+node2 ansible_host=10.83.0.12
+
+[sim:vars]
+ansible_user=root
+stepdeploy_gpus_per_node=0
+stepdeploy_profile=sim-cpu
+stepdeploy_train_iface=eth0
+stepdeploy_fabric=ethernet
+"""
+
+
+def inventory(tmp_path: Path, extra: str = "") -> Path:
+    path = tmp_path / "inv.ini"
+    path.write_text(INI + extra)
+    return path
+
+
+def test_the_cli_and_a_rollout_attempt_render_through_one_path(tmp_path: Path) -> None:
+    inv = inventory(tmp_path)
+    opts = RenderOptions(run_id="r1", iterations=5, seq_length=64, global_batch_size=8)
+    cli = build(str(inv), "tiny-dense", "mbs=2", opts).manifest
+    rung = Rung("one-node", "tiny-dense", nodes=1, nproc_per_node=1)
+    summary = render_attempt(load_cluster(inv), rung, opts, "mbs=2", tmp_path / "attempt")
+    attempt = Manifest.load(tmp_path / "attempt")
+    # the same inputs, hashes included (the attempt used to omit them), plus the attempt's rung
+    assert cli.inputs["inventory"] == attempt.inputs["inventory"]
+    assert cli.inputs["inventory"]["sha256"] and cli.inputs["model"] == attempt.inputs["model"]
+    assert cli.inputs["layout"]["given"] == attempt.inputs["layout"]["given"] == "mbs=2"
+    assert "rung" not in cli.inputs and attempt.inputs["rung"]["nproc_per_node"] == 1
+    assert summary["layout"] == attempt.layout == cli.layout
+    assert attempt.node_names == ["node1"] and cli.node_names == ["node1", "node2"]
+    assert attempt.inventory_path(tmp_path) == str(inv.resolve())
+
+
+def test_load_reads_what_render_wrote_and_refuses_anything_else(tmp_path: Path) -> None:
+    opts = RenderOptions(run_id="r2", iterations=5, seq_length=64, global_batch_size=8, stage="warmup")
+    write_run(build(str(inventory(tmp_path)), "tiny-dense", None, opts), tmp_path / "run")
+    manifest = Manifest.load(tmp_path / "run")
+    assert (manifest.run_id, manifest.stage, manifest.engine) == ("r2", "warmup", "torch")
+    assert manifest.run_dir.endswith("/r2") and [n.dir for n in manifest.nodes] == ["nodes/0-node1", "nodes/1-node2"]
+    assert manifest.rung is None and manifest.executor is None
+    data = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps({**data, "run_dir": "relative/r2"}))
+    with pytest.raises(BadInput, match="run_dir"):
+        Manifest.load(tmp_path / "run")
+    del data["inputs"]["inventory"]
+    manifest = Manifest.of(data)
+    with pytest.raises(BadInput, match="names no inventory"):
+        manifest.inventory_path(tmp_path / "run" / "manifest.json")
+
+
+def test_stepdeploy_executor_local_in_the_inventory_renders_a_local_run(tmp_path: Path) -> None:
+    inv = inventory(tmp_path, "stepdeploy_executor=local\n")
+    cluster = load_cluster(inv)
+    assert cluster.executor == "local"
+    rendered = build(str(inv), "tiny-dense", None, RenderOptions(run_id="r3", iterations=2))
+    assert rendered.manifest.executor == "local"
+    assert registry.kind_for(rendered.manifest, cluster) == "local"
+
+
+def test_the_executor_names_are_one_list() -> None:
+    assert tuple(registry.EXECUTORS) == EXECUTOR_KINDS
+    with pytest.raises(BadInput, match="unknown executor"):
+        RenderOptions(run_id="r4", executor="k8s")
