@@ -10,7 +10,7 @@ from typing import Any
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory import values as v
 from stepdeploy.inventory.ansible_source import RawHost
-from stepdeploy.inventory.model import EXECUTOR_KINDS, Node, SshSettings
+from stepdeploy.inventory.model import Node, SshSettings
 from stepdeploy.stack import did_you_mean, profile_names
 
 # Our own variables; anything else starting with `stepdeploy_` is a typo (or a newer stepdeploy's).
@@ -115,7 +115,7 @@ def cluster_settings(raw: RawHost, source: Path) -> dict[str, tuple[Any, str]]:
     """The cluster-wide settings this host declares: variable -> (typed value, where it was set)."""
     host = HostVars(raw, source)
     readers: dict[str, Callable[[Any], Any]] = {
-        "stepdeploy_executor": lambda x: v.read_choice(x, {"ssh": "fabric", **{kind: kind for kind in EXECUTOR_KINDS}}),
+        "stepdeploy_executor": lambda x: v.read_choice(x, {"fabric": "fabric", "ssh": "fabric", "slurm": "slurm"}),
         "stepdeploy_slurm_controller": v.read_address,
         "stepdeploy_slurm_partition": _read_slurm_name,
         "stepdeploy_slurm_tasks": lambda x: v.read_choice(x, {"node": "node", "gpu": "gpu"}),

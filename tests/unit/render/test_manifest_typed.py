@@ -72,13 +72,11 @@ def test_load_reads_what_render_wrote_and_refuses_anything_else(tmp_path: Path) 
         manifest.inventory_path(tmp_path / "run" / "manifest.json")
 
 
-def test_stepdeploy_executor_local_in_the_inventory_renders_a_local_run(tmp_path: Path) -> None:
-    inv = inventory(tmp_path, "stepdeploy_executor=local\n")
-    cluster = load_cluster(inv)
-    assert cluster.executor == "local"
-    rendered = build(str(inv), "tiny-dense", None, RenderOptions(run_id="r3", iterations=2))
+def test_a_run_rendered_for_the_local_executor_says_so_and_the_registry_reads_it(tmp_path: Path) -> None:
+    inv = inventory(tmp_path)
+    rendered = build(str(inv), "tiny-dense", None, RenderOptions(run_id="r3", iterations=2, executor="local"))
     assert rendered.manifest.executor == "local"
-    assert registry.kind_for(rendered.manifest, cluster) == "local"
+    assert registry.kind_for(rendered.manifest, load_cluster(inv)) == "local"
 
 
 def test_the_executor_names_are_one_list() -> None:
