@@ -155,6 +155,7 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
         manifest |= sbatch.manifest_entry(cluster, opts, nproc)
     elif kind == "local":  # the run is driven on this machine, also by a later `run`/`rollout stop`
         manifest |= {"executor": "local"}
+    Manifest.of(manifest)  # typed as every reader will load it, before it is written
     files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest),
                               "manifest.json.j2"))
     return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload)
