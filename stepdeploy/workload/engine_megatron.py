@@ -227,7 +227,8 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     loading = time.time()
     start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank, load_parts, resume_from)
     files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
-    saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), rank)
+    # the save's one-off set-up starts now, in the background, when this run saves at all
+    saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), rank, prepare=bool(t["save_interval"]))
     for group in optimizer.param_groups:
         # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
         group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
@@ -277,6 +278,8 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage(), phases, mtp)
         if iteration == start + 1:
             files.phase("first_step", iteration=iteration, step_s=round(step, 4))
+            saver.prepare_host_memory(model, optimizer)  # the optimizer's state exists now
+            ended = time.perf_counter()  # the next step's time does not include it
         began = time.perf_counter() if profiled else ended  # not the profiler's write-out either
         if saver.poll():  # a save in flight ended everywhere and was committed
             began = time.perf_counter()  # its finalize is the checkpoint's time (save_committed), not a step's

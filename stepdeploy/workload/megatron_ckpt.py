@@ -11,6 +11,7 @@ import contextlib
 import functools
 import inspect
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,13 @@ class Saver:
     save once every rank's write ended (megatron's finalize: write results gathered, metadata written); then rank
     0 seals the staging directory and commits it (ckpt.py) and applies retention. At most one save in flight: the
     next save and the end of training wait for it. The staging directory's name carries a token of this start,
-    so a writer left over from a killed start never writes into a later one's."""
+    so a writer left over from a killed start never writes into a later one's.
 
-    def __init__(self, ckpt_dir: Path, files: Any, keep: int, rank: int) -> None:
+    What a process's first save would otherwise pay once inside its blocking window is done beforehand, off the
+    step loop (SaveSetup): `prepare` (when this run saves at all) starts it at construction, prepare_host_memory()
+    after the first step."""
+
+    def __init__(self, ckpt_dir: Path, files: Any, keep: int, rank: int, prepare: bool = True) -> None:
         self.ckpt_dir, self.files, self.keep, self.rank = ckpt_dir, files, keep, rank
         self.asynchronous = os.environ.get("STEPDEPLOY_CKPT_ASYNC", "1") != "0"
         token = [ckpt.new_token() if rank == 0 else None]
@@ -40,6 +45,7 @@ class Saver:
         self.token = token[0]
         self.queue: Any = None
         self.pending: dict[str, Any] | None = None
+        self.setup = SaveSetup(files, rank) if prepare else None
         # a stop or a crash: end the writer process before multiprocessing's exit handler would wait for it
         atexit.register(self.abort)
 
@@ -48,6 +54,7 @@ class Saver:
 
         began = time.time()
         with self.files.saving(iteration):
+            setup_wait = self.setup.wait() if self.setup is not None else 0.0
             self.poll(blocking=True)
             if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
                 # overlapped param all-gather: after the step each rank holds only its own shard's new weights
@@ -74,9 +81,15 @@ class Saver:
         ended = time.time()
         self.pending = {"iteration": iteration, "began": began, "ended": ended, "staging": staging}
         self.files.phase("save", ended, iteration=iteration, began=began, blocking_s=round(ended - began, 4),
-                         background=self.asynchronous)
+                         background=self.asynchronous, setup_wait_s=round(setup_wait, 4))
         if not self.asynchronous:
             self._commit(self.pending, ended)
+
+    def prepare_host_memory(self, model: Any, optimizer: Any) -> None:
+        """After the first step (the optimizer's state exists then), on GPUs: the host memory the save copies the
+        tensors into, page-locked in the background (SaveSetup.pin)."""
+        if self.setup is not None and torch.cuda.is_available():
+            self.setup.pin(host_copy_sizes(model, optimizer))
 
     def poll(self, blocking: bool = False) -> bool:
         """Every rank, after every step: commit the save in flight once every rank's write ended (one small
@@ -98,7 +111,12 @@ class Saver:
                 self.poll(blocking=True)
 
     def abort(self) -> None:
-        """A stop or a failure: end the write in flight without committing it (what it left is not sealed)."""
+        """A stop or a failure: end the write in flight without committing it (what it left is not sealed).
+        A set-up still starting the writer's Manager is waited for (a bounded time): only once started does the
+        Manager have the exit handler that stops it, and multiprocessing's own exit handler, which runs after
+        this one, waits for every child process it has."""
+        if self.setup is not None:
+            self.setup.wait(timeout=SETUP_EXIT_WAIT_S)
         if self.queue is not None:
             with contextlib.suppress(Exception):
                 self.queue.close(abort=True)
@@ -133,6 +151,96 @@ class Saver:
         self.files.phase("save_committed", now, iteration=iteration, began=pending["began"],
                          background_s=round(max(written - pending["ended"], 0.0), 4),
                          commit_s=round(now - polled, 4))
+
+
+SETUP_EXIT_WAIT_S = 60.0
+
+
+class SaveSetup:
+    """The one-off set-up of megatron-core's save, which a process's first save otherwise pays inside its blocking
+    window (4.9-8.5 s on an H200; 2.6-3.0 s of a tiny model's first save on a CPU, whose later saves block
+    0.1-0.2 s: docs/benchmarks.md), done by a background thread while the first steps run:
+
+    - the writer's results queue: megatron-core's FileSystemWriterAsync creates it on first use, once per process,
+      as a multiprocessing Manager -- a server process started with "spawn", a fresh interpreter that imports torch
+      and re-runs the main module's imports -- and keeps it in a module global (0.16 `_get_write_results_queue`,
+      0.19 `get_write_results_queue`: the same global, which the save then finds made);
+    - the imports of the save's strategy (torch.distributed.checkpoint's planner and writer);
+    - on GPUs, after the first step: pinned host memory for the device-to-host copy. The save copies each tensor
+      with `.to("cpu", non_blocking=True)`, into page-locked memory from torch's caching host allocator, which
+      keeps freed blocks in power-of-two size bins and reuses only a block of the same bin: a later save reuses
+      the first one's blocks, the first one page-locks them (cudaHostAlloc, about the checkpoint's size). pin()
+      allocates a block per tensor of the sizes the save will copy, all held at once as the save holds them, then
+      frees them into the cache (the memory the first save would keep cached anyway, held a little earlier).
+
+    save() waits for the thread (inside its "saving" window: a first save sooner than the set-up waits for the
+    rest of it, and no longer than it would have taken there). What is written does not change."""
+
+    def __init__(self, files: Any, rank: int) -> None:
+        self.files, self.rank = files, rank
+        self.threads: list[threading.Thread] = []
+        self._start("writer", write_results_queue)
+
+    def pin(self, sizes: list[int]) -> None:
+        device = torch.cuda.current_device()
+
+        def pin_blocks() -> str:
+            torch.cuda.set_device(device)
+            held = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
+            return f"{len(held)} blocks, {sum(sizes) / 2**30:.2f} GiB"
+        self._start("host_memory", pin_blocks)
+
+    def wait(self, timeout: float | None = None) -> float:
+        """Wait for the set-up in progress (`timeout`: for each part). -> the seconds waited"""
+        began = time.time()
+        for thread in self.threads:
+            thread.join(timeout)
+        self.threads = [thread for thread in self.threads if thread.is_alive()]
+        return time.time() - began
+
+    def _start(self, part: str, work: Any) -> None:
+        def run() -> None:
+            began = time.time()
+            try:
+                done = work()
+            except Exception as exc:  # the save then does it itself, as before
+                log(self.rank, f"checkpoint set-up ({part}) failed, the first save will do it: {exc!r}")
+                return
+            self.files.phase("save_setup", part=part, began=began, seconds=round(time.time() - began, 3),
+                             **({"done": done} if isinstance(done, str) else {}))
+
+        thread = threading.Thread(target=run, name=f"checkpoint-setup-{part}", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+
+def write_results_queue() -> Any:
+    """megatron-core's write-results queue, created (a Manager process) on the first call in this process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import torch as _torch_strategy  # noqa: F401 (its imports)
+
+    make = getattr(filesystem_async, "get_write_results_queue", None)  # 0.19
+    return (make or filesystem_async._get_write_results_queue)()  # 0.16
+
+
+def host_copy_sizes(model: Any, optimizer: Any, device_type: str = "cuda") -> list[int]:
+    """The bytes of each host copy this rank's save makes: one per tensor of a ShardedTensor this rank writes (its
+    main replica: megatron's keep_only_main_replica), after megatron's factories (the save's own preprocessing),
+    on `device_type`, not empty. Local (no collective), for the distributed optimizer's dp_reshardable format;
+    other formats gather across ranks to build their state dict: none then."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent
+
+    metadata = checkpoint_metadata(optimizer)
+    if metadata.get("distrib_optim_sharding_type", "dp_reshardable") != "dp_reshardable":
+        return []
+    state = sharded_state(model, optimizer, is_loading=False, metadata=metadata)
+    apply_factories(state)
+    _, state = extract_nonpersistent(state)
+    return [t.data.numel() * t.data.element_size() for t in nested_values(state)
+            if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id) and t.data is not None
+            and t.data.device.type == device_type and t.data.numel()]
 
 
 def _async_options(dist_checkpointing: Any) -> dict[str, Any]:

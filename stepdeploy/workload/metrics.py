@@ -5,8 +5,11 @@
                                of the run: {"phase", "time", "pid", ...}. start (the process began), initialized
                                (process group up), model, optimizer, resumed (+ iteration, load_s), first_step
                                (+ iteration, step_s),
-                               save (+ iteration, began, blocking_s, background; time - began: what the step loop
-                               waited for), save_committed (+ iteration, began: its save's, background_s: the write
+                               save (+ iteration, began, blocking_s, background; megatron engine: setup_wait_s,
+                               the wait for save_setup in it; time - began: what the step loop waited for),
+                               save_setup (megatron engine: + part, began, seconds: a one-off set-up of the save,
+                               done in the background),
+                               save_committed (+ iteration, began: its save's, background_s: the write
                                after the step loop went on, commit_s; time: when `latest` named it)
     out/heartbeat/rank<R>      every rank: {"iteration", "time", "pid"}, rewritten every step (hang detection);
                                + "state": "saving" while a checkpoint save blocks the step loop (rewritten every

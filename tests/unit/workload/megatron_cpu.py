@@ -108,6 +108,25 @@ def token_batches(vocab: int, count: int, dp_rank: int = 0, rows: int = 2, seq: 
     return [markov_tokens(table, 1, 1, micro, dp_rank, rows, seq + 1) for micro in range(count)]
 
 
+def dense_model_and_optimizer(cfg: dict[str, Any], kwargs: dict[str, Any], seed: int) -> tuple[Any, Any]:
+    """The engine's GPTModel in megatron's Float16Module and DDP (the engine's DDP config, no overlapped param
+    gather) and the distributed Adam, from `seed` (after megatron_on_cpu and initialize_model_parallel)."""
+    import engine_megatron as em
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(**kwargs)
+    model = Float16Module(config, em.build_model(cfg, config))
+    ddp = DistributedDataParallelConfig(**(em.ddp_config_kwargs(cfg) | {"overlap_param_gather": False}))
+    model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
+                                                       use_distributed_optimizer=True), [model])
+    return model, optimizer
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -19,17 +19,13 @@ HERE = Path(__file__).resolve().parent
 
 def rank_main(rank: int, port: int, workdir: str) -> None:
     sys.path.insert(0, str(HERE))
-    from megatron_cpu import megatron_on_cpu, one_step, token_batches
+    from megatron_cpu import dense_model_and_optimizer, megatron_on_cpu, one_step, token_batches
 
     megatron_on_cpu(rank, 2, port)
     import engine_megatron as em
     import megatron_ckpt
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from metrics import RankFiles
 
     from stepdeploy.catalog import load_model
@@ -43,14 +39,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     kwargs = em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True}
 
     def build(seed: int) -> tuple[Any, Any]:
-        torch.manual_seed(seed)
-        config = TransformerConfig(**kwargs)
-        model = Float16Module(config, em.build_model(cfg, config))
-        ddp = DistributedDataParallelConfig(**(em.ddp_config_kwargs(cfg) | {"overlap_param_gather": False}))
-        model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
-                                                           use_distributed_optimizer=True), [model])
-        return model, optimizer
+        return dense_model_and_optimizer(cfg, kwargs, seed)
 
     def main_shard(optimizer: Any) -> list[torch.Tensor]:
         return [p.detach().clone() for inner in megatron_ckpt.inner_optimizers(optimizer)

@@ -50,7 +50,10 @@ def cpu_streams() -> None:
 def host_copies_apart() -> None:
     """On the CPU every tensor is a host tensor, and HybridDeviceOptimizer offloads only parameters that are on
     the GPU (param.is_cuda). Have tensors answer is_cuda as on a GPU node: True, except the copies made by .cpu()
-    (the offloaded master weights and their state)."""
+    (the offloaded master weights and their state). Once per process."""
+    if getattr(torch.Tensor, "_host_copies_apart", False):
+        return
+    torch.Tensor._host_copies_apart = True  # type: ignore[attr-defined]
     to_cpu = torch.Tensor.cpu
 
     def cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -72,61 +75,74 @@ def host_copies_apart() -> None:
     for name in ("detach", "clone", "float"):  # a host copy's copies stay on the host
         setattr(torch.Tensor, name, keep(getattr(torch.Tensor, name)))
     torch.Tensor.is_cuda = property(lambda self: not getattr(self, "_on_host", False))  # type: ignore[assignment]
+    # torch.distributed's broadcast asks a "CUDA" tensor's device for its compute capability (a checkpoint's
+    # object broadcasts): answer as a GPU before sm_90 would
+    torch.cuda.get_device_capability = lambda *_a, **_k: (8, 0)
+
+
+class Layout:
+    """A model and optimizer on this rank as the engine builds them for a layout, and its training step (the
+    same micro-batches every step: the loss must fall)."""
+
+    def __init__(self, model: str, layout_text: str, gbs: int, layers: int | None = None, seed: int = 1) -> None:
+        import engine_megatron as em
+        import model_chunks as mc
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron_cpu import token_batches
+
+        from stepdeploy.catalog import ModelSpec, load_model
+        from stepdeploy.plan.layout import parse_layout
+        from stepdeploy.render.options import RenderOptions
+        from stepdeploy.render.workload import check_engine, workload_config
+
+        spec = load_model(model)
+        if layers is not None:
+            spec = ModelSpec.model_validate({**spec.model_dump(), "num_layers": layers, "name": f"{model}-{layers}"})
+        self.layout = parse_layout(layout_text)
+        check_engine("megatron", self.layout, spec, 1)  # what render would refuse
+        self.cfg = workload_config(spec, self.layout, RenderOptions(run_id="t", seq_length=SEQ, global_batch_size=gbs,
+                                                                    iterations=STEPS), engine="megatron", world=2,
+                                   peak_tflops=790.0)
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(**em.parallel_sizes(self.cfg))
+        torch.manual_seed(seed)
+        self.config = TransformerConfig(**(em.transformer_config_kwargs(self.cfg) | {
+            "use_cpu_initialization": True, "pipeline_dtype": torch.bfloat16}))
+        self.chunks = mc.wrap_chunks(mc.build_chunks(self.cfg, self.config, em.build_model), self.config,
+                                     em.ddp_config_kwargs(self.cfg))
+        mc.attach_grad_sync(self.config, self.chunks, self.cfg["parallel"]["overlap_grad_reduce"])
+        if self.layout.optimizer_cpu_offload:
+            host_copies_apart()
+        self.optimizer = mc.build_optimizer(self.cfg, self.chunks)
+        self.model = mc.as_one_model(self.chunks)
+        self.micro_batches = gbs // (MBS * ps.get_data_parallel_world_size())
+        self.pool = token_batches(spec.vocab_size, self.micro_batches, ps.get_data_parallel_rank(), rows=MBS, seq=SEQ)
+        self.forward_step = mc.lm_forward_step(torch.arange(SEQ).unsqueeze(0).expand(MBS, -1))
+        self.schedule = get_forward_backward_func()
+
+    def step(self) -> float | None:
+        """One training step; the loss on the last pipeline stage, None elsewhere."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        feeds = [iter([(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in self.pool]) for _ in self.chunks]
+        out = self.schedule(forward_step_func=self.forward_step,
+                            data_iterator=feeds if len(self.chunks) > 1 else feeds[0], model=self.chunks,
+                            num_microbatches=self.micro_batches, seq_length=SEQ, micro_batch_size=MBS,
+                            decoder_seq_length=SEQ, forward_only=False)
+        self.optimizer.step()
+        return round(float(sum(x["lm loss"] for x in out) / len(out)), 5) if out else None
 
 
 def scenario(name: str, model: str, layout_text: str, gbs: int, layers: int | None = None) -> dict[str, Any]:
-    import engine_megatron as em
     import model_chunks as mc
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_cpu import token_batches
 
-    from stepdeploy.catalog import ModelSpec, load_model
-    from stepdeploy.plan.layout import parse_layout
-    from stepdeploy.render.options import RenderOptions
-    from stepdeploy.render.workload import check_engine, workload_config
-
-    spec = load_model(model)
-    if layers is not None:
-        spec = ModelSpec.model_validate({**spec.model_dump(), "num_layers": layers, "name": f"{model}-{layers}"})
-    layout = parse_layout(layout_text)
-    check_engine("megatron", layout, spec, 1)  # what render would refuse
-    cfg = workload_config(spec, layout, RenderOptions(run_id="t", seq_length=SEQ, global_batch_size=gbs,
-                                                      iterations=STEPS), engine="megatron", world=2,
-                          peak_tflops=790.0)
-    ps.initialize_model_parallel(**em.parallel_sizes(cfg))
-    torch.manual_seed(1)
-    config = TransformerConfig(**(em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True,
-                                                                       "pipeline_dtype": torch.bfloat16}))
-    chunks = mc.wrap_chunks(mc.build_chunks(cfg, config, em.build_model), config, em.ddp_config_kwargs(cfg))
-    mc.attach_grad_sync(config, chunks, cfg["parallel"]["overlap_grad_reduce"])
-    if layout.optimizer_cpu_offload:
-        host_copies_apart()
-    optimizer = mc.build_optimizer(cfg, chunks)
-    model_obj = mc.as_one_model(chunks)
-    dp = ps.get_data_parallel_world_size()
-    micro_batches = gbs // (MBS * dp)
-    pool = token_batches(spec.vocab_size, micro_batches, ps.get_data_parallel_rank(), rows=MBS, seq=SEQ)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, -1)
-
-    def feed() -> Any:
-        for tokens in pool:  # the same micro-batches every step: the loss must fall
-            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    forward_step = mc.lm_forward_step(positions)
-    losses = []
-    schedule = get_forward_backward_func()
-    for _ in range(STEPS):
-        model_obj.zero_grad_buffer()
-        optimizer.zero_grad()
-        feeds = [feed() for _ in chunks]
-        out = schedule(forward_step_func=forward_step, data_iterator=feeds if len(chunks) > 1 else feeds[0],
-                       model=chunks, num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=MBS,
-                       decoder_seq_length=SEQ, forward_only=False)
-        optimizer.step()
-        losses.append(round(float(sum(x["lm loss"] for x in out) / len(out)), 5) if out else None)
+    built = Layout(model, layout_text, gbs, layers)
+    losses = [built.step() for _ in range(STEPS)]
+    chunks, optimizer, cfg, config = built.chunks, built.optimizer, built.cfg, built.config
     inner = [type(o).__name__ for o in mc.torch_optimizers(optimizer)]
     hybrid = [o for o in mc.torch_optimizers(optimizer) if type(o).__name__ == "HybridDeviceOptimizer"]
     offloaded = {"host_optimizers": sum(len(o.cpu_optimizers) for o in hybrid),
@@ -141,14 +157,15 @@ def scenario(name: str, model: str, layout_text: str, gbs: int, layers: int | No
         "params": sum(p.numel() for c in chunks for p in c.parameters()),
         "losses": losses, "optimizers": inner, "fused_groups": fused, "offloaded": offloaded,
         "stage_layers": [cfg["parallel"]["first_stage_layers"], cfg["parallel"]["last_stage_layers"]],
-        "vpp_group": config.microbatch_group_size_per_vp_stage, "micro_batches": micro_batches}
+        "vpp_group": config.microbatch_group_size_per_vp_stage, "micro_batches": built.micro_batches}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)
     ps.destroy_model_parallel()
     return {"name": name, "ranks": gathered}
 
 
-def rank_main(rank: int, port: int, out: str) -> None:
+def rank_main(rank: int, port: int, out: str, runs: str = "layouts") -> None:
+    """`runs`: "layouts" (this script's scenarios) or "resume" (megatron_cpu_layout_resume.py's cases)."""
     sys.path.insert(0, str(HERE))
     from megatron_cpu import megatron_on_cpu
 
@@ -156,19 +173,29 @@ def rank_main(rank: int, port: int, out: str) -> None:
     cpu_streams()
     import torch.distributed as dist
 
-    results = [scenario("vpp", "tiny-dense", "pp=2,vpp=2,mbs=2,optimizer=fused", gbs=4),
-               scenario("vpp-group", "tiny-dense", "pp=2,vpp=2,mbs=2", gbs=6),
-               scenario("uneven", "tiny-dense", "pp=2,mbs=2", gbs=4, layers=5),
-               scenario("on-device", "tiny-dense", "mbs=2", gbs=4),
-               scenario("offload", "tiny-dense", "mbs=2,offload=on,precision_aware_optimizer=on", gbs=4)]
+    if runs == "resume":
+        from megatron_cpu_layout_resume import resume_cases
+
+        results = resume_cases(Path(out).parent)
+    else:
+        results = [scenario("vpp", "tiny-dense", "pp=2,vpp=2,mbs=2,optimizer=fused", gbs=4),
+                   scenario("vpp-group", "tiny-dense", "pp=2,vpp=2,mbs=2", gbs=6),
+                   scenario("uneven", "tiny-dense", "pp=2,mbs=2", gbs=4, layers=5),
+                   scenario("on-device", "tiny-dense", "mbs=2", gbs=4),
+                   scenario("offload", "tiny-dense", "mbs=2,offload=on,precision_aware_optimizer=on", gbs=4)]
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def main(out: str, runs: str) -> None:
+    """2 gloo ranks on this machine; prints the JSON rank 0 wrote to `out`."""
     sys.path.insert(0, str(HERE))
     from megatron_cpu import free_port
 
-    torch.multiprocessing.spawn(rank_main, args=(free_port(), sys.argv[1]), nprocs=2, join=True)
-    print(Path(sys.argv[1]).read_text())
+    torch.multiprocessing.spawn(rank_main, args=(free_port(), out, runs), nprocs=2, join=True)
+    print(Path(out).read_text())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], "layouts")

@@ -1,7 +1,8 @@
 """The megatron engine runs what the planner offers: interleaved virtual pipelines, uneven first/last pipeline
 stages and the optimizer on the host (plan/engines.py, data/engines.yaml), trained on 2 CPU ranks (gloo) with
 megatron-core's own schedules and optimizers (megatron_cpu_layouts.py, a process of its own: making megatron-core
-run on the CPU repoints torch's CUDA calls). The step time and memory of VPP and offload are measured on GPUs."""
+run on the CPU repoints torch's CUDA calls), and saved and resumed with the engine's checkpoints
+(megatron_cpu_layout_resume.py). The step time and memory of VPP and offload are measured on GPUs."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core not importable (pip install megatron-core==0.16.1)")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    script = Path(__file__).with_name("megatron_cpu_layouts.py")
-    out = tmp_path_factory.mktemp("layouts") / "result.json"
-    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=900,
-                          check=False)
+def _two_ranks(script: str, out: Path) -> dict[str, Any]:
+    """Run `script` (2 gloo ranks, a process of its own) -> {run name: every rank's report}."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), str(out)], capture_output=True,
+                          text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {run["name"]: run["ranks"] for run in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _two_ranks("megatron_cpu_layouts.py", tmp_path_factory.mktemp("layouts") / "result.json")
 
 
 def _last_stage_losses(ranks: list[dict[str, Any]]) -> list[float]:
@@ -68,3 +72,23 @@ def test_offloaded_optimizer_steps_on_the_host_and_trains_as_the_device_one(runs
         assert host["losses"][-1] < host["losses"][0] - 0.5, host["losses"]
         for a, b in zip(device["losses"], host["losses"], strict=True):
             assert math.isclose(a, b, rel_tol=1e-3), (device["losses"], host["losses"])  # measured: 6e-5
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("psutil", reason="dist-checkpointing's writer needs psutil")
+    return _two_ranks("megatron_cpu_layout_resume.py", tmp_path_factory.mktemp("layout-resume") / "result.json")
+
+
+@pytest.mark.parametrize("layout", ["vpp", "offload"])
+def test_a_resumed_layout_continues_exactly_as_the_uninterrupted_run(resumed: dict[str, Any], layout: str) -> None:
+    """Saved asynchronously after 2 steps (the uninterrupted run takes 2 more while it is written), resumed into a
+    model and optimizer from another seed: the same 2 steps, the same losses and weights, bit for bit (CPU)."""
+    for rank in resumed[layout]:
+        assert "error" not in rank, rank.get("traceback")
+        assert rank["resumed"] == 2 and rank["committed"] == ["iter_0000002", "latest"], rank
+        assert rank["params_differing_before"] > 0, rank  # the load must move the second model's weights
+        assert rank["losses_resumed"] == rank["losses_continued"], rank
+        assert rank["params_differing_after"] == 0, rank
+        saved, resumed_master = rank["master_weights"]
+        assert saved == resumed_master > 0 and rank["master_differing_after"] == 0, rank
