@@ -1,4 +1,8 @@
-"""Run playbooks/site.yml on an inventory through ansible-runner, feeding events to a callback.
+"""Run site.yml on an inventory through ansible-runner, feeding events to a callback.
+
+The playbooks and roles ship inside the package (stepdeploy/ansible/playbooks, stepdeploy/ansible/roles), so
+an installed wheel provisions as a source checkout does. STEPDEPLOY_HOME, when set, names a directory holding
+`playbooks/` and `roles/` to use instead (a site's own copy of them).
 
 The infiniband role fetches every node's NCCL facts (/etc/stepdeploy/nccl.json) back to the controller, into
 the facts directory this module passes it (`infiniband_nccl_facts_fetch_dir`): by default
@@ -11,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +25,7 @@ from stepdeploy.inventory import load_cluster
 from stepdeploy.provision.progress import Progress
 from stepdeploy.render.facts import default_facts_dir, facts_file
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+ANSIBLE_DIR = Path(str(resources.files("stepdeploy").joinpath("ansible")))
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,24 @@ class ProvisionResult:
         return self.log_dir / "stdout.log"
 
 
+def ansible_dir() -> Path:
+    """The directory holding playbooks/ and roles/: STEPDEPLOY_HOME when set, else the package's own."""
+    home = os.environ.get("STEPDEPLOY_HOME")
+    return Path(home) if home else ANSIBLE_DIR
+
+
 def playbooks_dir() -> Path:
-    path = Path(os.environ.get("STEPDEPLOY_HOME", PROJECT_ROOT)) / "playbooks"
+    path = ansible_dir() / "playbooks"
     if not path.is_dir():
-        raise MissingPrerequisite(f"no playbooks directory at {path}",
-                                  hint="install stepdeploy from its source tree (pip install -e .) "
-                                       "or set STEPDEPLOY_HOME to it")
+        hint = ("unset STEPDEPLOY_HOME to use the playbooks stepdeploy ships, or point it at a directory holding "
+                "playbooks/ and roles/" if os.environ.get("STEPDEPLOY_HOME")
+                else "reinstall stepdeploy (its package ships playbooks/ and roles/ under stepdeploy/ansible/)")
+        raise MissingPrerequisite(f"no playbooks directory at {path}", hint=hint)
     return path
+
+
+def roles_dir() -> Path:
+    return ansible_dir() / "roles"
 
 
 def default_log_dir() -> Path:
@@ -116,7 +132,7 @@ def run(request: ProvisionRequest, on_event: Callable[[Progress, str | None], No
         log_dir, request.inventory.resolve(),
         playbook=str(playbooks_dir() / request.playbook),
         cmdline=cmdline(request) or None, tags=request.tags, limit=request.limit, extravars=extravars(request),
-        envvars={"ANSIBLE_ROLES_PATH": str(playbooks_dir().parent / "roles")},
+        envvars={"ANSIBLE_ROLES_PATH": str(roles_dir())},
         event_handler=handler, ident="run", rotate_artifacts=1,
     )
     seconds = time.monotonic() - started

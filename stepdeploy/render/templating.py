@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import shlex
 from functools import cache
+from importlib import resources
 from pathlib import Path
 
 import jinja2
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
+# Shipped inside the package (stepdeploy/templates/), so an installed wheel renders as a source checkout does.
+TEMPLATES_DIR = Path(str(resources.files("stepdeploy").joinpath("templates")))
 
 
 def shell_quote(value: object) -> str:

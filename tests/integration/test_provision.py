@@ -19,6 +19,7 @@ from stepdeploy.remote.ssh import connection
 from .conftest import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
+COMPAT_PLAY = ROOT / "stepdeploy" / "ansible" / "playbooks" / "compat.yml"
 STANDIN_GB10_SMI = "#!/bin/sh\necho 'NVIDIA GB10, 12.1, 122572'\n"
 
 
@@ -66,7 +67,7 @@ def test_seed_profile_on_gb10_is_refused_before_any_node_changes(
     res = _provision(str(inv), "--json", "--log-dir", str(tmp_path / "log"))
     assert res.returncode == 1, res.stderr
     recap = json.loads(res.stdout)
-    compat_tasks = len(yaml.safe_load((ROOT / "playbooks/compat.yml").read_text())[0]["tasks"]) + 1  # + facts
+    compat_tasks = len(yaml.safe_load(COMPAT_PLAY.read_text())[0]["tasks"]) + 1  # + facts
     assert recap["tasks"] == compat_tasks, "no task after the compatibility play may run"
     assert {h: v["status"] for h, v in recap["hosts"].items()} == {"node1": "failed", "node2": "failed"}
     assert all(h["changed"] == 0 for h in recap["hosts"].values())

@@ -31,7 +31,8 @@ from stepdeploy.sim.state import SimState
 from .conftest import require_sim
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SITE = REPO_ROOT / "playbooks" / "site.yml"
+ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
+SITE = ANSIBLE / "playbooks" / "site.yml"
 PROFILE = "sim-standin"
 PROVISIONED = ("node1", "node2")
 FRESH = "node3"
@@ -77,7 +78,7 @@ class RolesCluster:
         return ansible_run.run(
             tmp, self.cfg.inventory, playbook=str(playbook), limit=limit, cmdline=cmdline or None,
             extravars={"stepdeploy_profile": PROFILE, **(extravars or {})},
-            envvars={"ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"), "ANSIBLE_PIPELINING": "True",
+            envvars={"ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"), "ANSIBLE_PIPELINING": "True",
                      "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.control_dir)},
         )
 

@@ -31,7 +31,8 @@ from .conftest import private_cluster, stepdeploy_cli
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "4", "--checkpoint-interval", "2",
         "--pg-timeout", "30", "--executor", "slurm"]
-SITE = REPO_ROOT / "playbooks" / "site.yml"
+ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
+SITE = ANSIBLE / "playbooks" / "site.yml"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimConfig]:
             runner = ansible_run.run(tmp_path_factory.mktemp("ansible"), cfg.inventory, playbook=str(SITE),
                                      tags="slurm", extravars={"stepdeploy_profile": "sim-cpu",
                                                               "stepdeploy_slurm": True},
-                                     envvars={"ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"),
+                                     envvars={"ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"),
                                               "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control)})
             assert runner.rc == 0, f"roles/slurm failed: {runner.stdout.read()[-3000:]}"
             assert _on(cfg, 1, "sinfo -h -N -o %t").split() == ["idle", "idle"], _on(cfg, 1, "sinfo")

@@ -26,7 +26,8 @@ from stepdeploy.sim.cluster import SimConfig
 from .conftest import private_cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SITE = REPO_ROOT / "playbooks" / "site.yml"
+ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
+SITE = ANSIBLE / "playbooks" / "site.yml"
 PROFILE = "sim-cpu"  # no NVIDIA roles: the simulated nodes have no GPU
 SERVICE = "/usr/local/sbin/stepdeploy-slurm-service"
 
@@ -54,7 +55,7 @@ class SlurmCluster:
             tmp, self.cfg.inventory, playbook=str(SITE), tags=tags, skip_tags=skip_tags,
             cmdline="--check" if check else None,
             extravars={"stepdeploy_profile": PROFILE, "stepdeploy_slurm": True},
-            envvars={"ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"), "ANSIBLE_PIPELINING": "True",
+            envvars={"ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"), "ANSIBLE_PIPELINING": "True",
                      "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.cfg.dir / "cp")},
         )
 

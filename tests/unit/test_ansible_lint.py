@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
 
 
 def _ansible_lint() -> str | None:
@@ -23,8 +24,9 @@ def test_roles_and_playbooks_pass_the_production_profile() -> None:
     if lint is None:
         pytest.skip("ansible-lint is not installed (pip install -e '.[test]' installs it)")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"), "NO_COLOR": "1", "ANSIBLE_LINT_SKIP_VERSION_CHECK": "1"}
-    res = subprocess.run([lint, "--profile", "production", "--offline", "roles", "playbooks"], cwd=REPO_ROOT,
+           "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"), "NO_COLOR": "1", "ANSIBLE_LINT_SKIP_VERSION_CHECK": "1"}
+    res = subprocess.run([lint, "--profile", "production", "--offline", str(ANSIBLE.relative_to(REPO_ROOT) / "roles"),
+                          str(ANSIBLE.relative_to(REPO_ROOT) / "playbooks")], cwd=REPO_ROOT,
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, f"ansible-lint failed:\n{res.stdout}\n{res.stderr}"
     assert "Profile 'production' was required, and it passed" in res.stderr + res.stdout

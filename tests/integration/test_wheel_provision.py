@@ -1,0 +1,45 @@
+"""`stepdeploy provision --check` from the installed wheel (tests/wheel_venv.py), run from a directory outside
+this checkout: the playbooks, the roles and the filter plugin all come from the wheel's package, real Ansible
+over real SSH on one node of the simulated cluster, which check mode leaves as it was."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.wheel_venv import REPO, InstalledWheel
+
+from .conftest import Cluster
+from .test_provision import _upper_files
+
+NODE = "node1"
+APT_CACHE = {"var", "var/cache", "var/cache/apt"}  # apt rebuilds its binary cache when it simulates an install
+
+
+def test_provision_check_from_the_installed_wheel(sim_cluster: Cluster, wheel_install: InstalledWheel,
+                                                  tmp_path: Path) -> None:
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text(sim_cluster.cfg.inventory.read_text())
+    before = _upper_files(sim_cluster, NODE)
+    started = time.monotonic()
+    res = wheel_install.run(wheel_install.stepdeploy, "provision", inventory, "--check", "--limit", NODE, "--json",
+                            "--log-dir", tmp_path / "log", cwd=tmp_path, timeout=900)
+    seconds = time.monotonic() - started
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recap = json.loads(res.stdout)
+    assert recap["check"] is True and set(recap["hosts"]) == {NODE}
+    assert recap["hosts"][NODE]["status"] == "done" and recap["hosts"][NODE]["failed"] == 0, recap
+    compat = yaml.safe_load((REPO / "stepdeploy/ansible/playbooks/compat.yml").read_text())[0]["tasks"]
+    assert recap["tasks"] > len(compat) + 1, "only the compatibility play ran: the roles were not found"
+    command = json.loads((tmp_path / "log" / "artifacts" / "run" / "command").read_text())
+    (playbook,) = [Path(arg) for arg in command["command"] if arg.endswith("site.yml")]
+    assert wheel_install.venv in playbook.parents, f"site.yml came from {playbook}, not the wheel"
+    assert command["env"]["ANSIBLE_ROLES_PATH"].startswith(str(wheel_install.venv))
+    changed = _upper_files(sim_cluster, NODE) - before
+    assert {p for p in changed if p not in APT_CACHE and not p.startswith("var/cache/apt/")} == set(), \
+        "--check changed the node"
+    assert not (tmp_path / ".stepdeploy").exists(), "--check wrote facts"
+    print(f"\nprovision --check from the wheel on {NODE}: {seconds:.1f} s, {recap['tasks']} tasks")
