@@ -45,6 +45,8 @@ class Saver:
         self.token = token[0]
         self.queue: Any = None
         self.pending: dict[str, Any] | None = None
+        # STEPDEPLOY_CKPT_SETUP=0 (`render --env`): no set-up beforehand, the first save does it (to compare)
+        prepare = prepare and os.environ.get("STEPDEPLOY_CKPT_SETUP", "1") != "0"
         self.setup = SaveSetup(files, rank) if prepare else None
         # a stop or a crash: end the writer process before multiprocessing's exit handler would wait for it
         atexit.register(self.abort)
