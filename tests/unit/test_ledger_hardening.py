@@ -12,7 +12,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -166,20 +165,12 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           cwd=cwd)
 
 
-@pytest.fixture(scope="module")
-def forked() -> Iterator[Runner]:
-    """The fuzz suite's zygote: each command a forked `stepdeploy ARGV` process (exit code and stderr of its own)
-    in a fraction of a fresh interpreter's start-up; one kind below still starts `python -m stepdeploy` afresh."""
-    zygote = Runner()
-    yield zygote
-    zygote.close()
-
-
-FRESH_INTERPRETER_KIND = KINDS[0]
+FRESH_INTERPRETER_KIND = KINDS[0]  # its commands start `python -m stepdeploy` afresh; the others fork (forked_cli)
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "empty", "foreign config", "unknown stage"])
-def test_every_command_that_reads_a_ledger_exits_2_with_one_line(tmp_path: Path, kind: str, forked: Runner) -> None:
+def test_every_command_that_reads_a_ledger_exits_2_with_one_line(tmp_path: Path, kind: str,
+                                                                 forked_cli: Runner) -> None:
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
     _corrupt(kind, run / "ledger.sqlite")
@@ -195,7 +186,7 @@ def test_every_command_that_reads_a_ledger_exits_2_with_one_line(tmp_path: Path,
             fresh = _cli(*args, cwd=cwd)
             code, stdout, stderr = fresh.returncode, fresh.stdout, fresh.stderr
         else:
-            case = forked.run(cwd, args)
+            case = forked_cli.run(cwd, args)
             code, stdout, stderr = case.rc, case.stdout, case.stderr
         errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
         assert code == 2 and len(errors) == 1, (args, stdout, stderr)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,17 +63,9 @@ def test_only_an_accepted_insecure_node_takes_unknown_keys(known_hosts: Path) ->
 SETTINGS = ["ansible_host_key_checking=false", "ansible_ssh_common_args='-o StrictHostKeyChecking=no'"]
 
 
-@pytest.fixture(scope="module")
-def forked() -> Iterator[Runner]:
-    """The fuzz suite's zygote: forked `stepdeploy ARGV` processes, each with its own exit code and stderr."""
-    zygote = Runner()
-    yield zygote
-    zygote.close()
-
-
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_commands_that_connect_refuse_an_inventory_without_host_key_checking(tmp_path: Path, setting: str,
-                                                                            forked: Runner) -> None:
+                                                                            forked_cli: Runner) -> None:
     inventory = tmp_path / "inv.ini"
     inventory.write_text(f"[gpu]\nn1 ansible_host=127.0.0.1 ansible_port=1 {setting}\n"
                          "[gpu:vars]\nstepdeploy_profile=sim-cpu\n")
@@ -87,7 +78,7 @@ def test_commands_that_connect_refuse_an_inventory_without_host_key_checking(tmp
         if setting == SETTINGS[0]:
             return subprocess.run([sys.executable, "-m", "stepdeploy", *args], capture_output=True, text=True,
                                   timeout=120, cwd=cwd)
-        case = forked.run(cwd, list(args))
+        case = forked_cli.run(cwd, list(args))
         return subprocess.CompletedProcess(args, case.rc, case.stdout, case.stderr)
 
     for args in (["preflight", str(inventory)], ["provision", str(inventory), "--check"],
