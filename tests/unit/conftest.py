@@ -8,6 +8,7 @@ order in which test modules are collected."""
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -36,3 +37,14 @@ def megatron_single_rank() -> Iterator[None]:
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def forked_cli() -> Iterator[Any]:
+    """The fuzz suite's zygote (tests/unit/fuzz/zygote.py) for a module: `stepdeploy ARGV` as forked processes, each
+    with its own exit code, stderr and working directory, for a fraction of a fresh interpreter's start-up."""
+    from fuzz.harness import Runner
+
+    zygote = Runner()
+    yield zygote
+    zygote.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from fuzz.harness import Runner  # tests/unit is on sys.path (pytest's rootdir-relative import)
 
 from stepdeploy.cli.app import main
 from stepdeploy.errors import BadInput
@@ -164,8 +165,12 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           cwd=cwd)
 
 
+FRESH_INTERPRETER_KIND = KINDS[0]  # its commands start `python -m stepdeploy` afresh; the others fork (forked_cli)
+
+
 @pytest.mark.parametrize("kind", [*KINDS, "empty", "foreign config", "unknown stage"])
-def test_every_command_that_reads_a_ledger_exits_2_with_one_line(tmp_path: Path, kind: str) -> None:
+def test_every_command_that_reads_a_ledger_exits_2_with_one_line(tmp_path: Path, kind: str,
+                                                                 forked_cli: Runner) -> None:
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
     _corrupt(kind, run / "ledger.sqlite")
@@ -174,11 +179,18 @@ def test_every_command_that_reads_a_ledger_exits_2_with_one_line(tmp_path: Path,
                 ["rollout", "list", "--runs", str(tmp_path / "runs")]]
     if kind in ("foreign config", "unknown stage"):  # a ledger in itself: reading it is fine, acting is not
         commands = [["rollout", "resume", str(run)], ["rollout", "stop", str(run)]]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
     for args in commands:
-        res = _cli(*args, cwd=tmp_path)
-        errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
-        assert res.returncode == 2 and len(errors) == 1, (args, res.stdout, res.stderr)
-        assert "Traceback" not in res.stderr
+        if kind == FRESH_INTERPRETER_KIND:
+            fresh = _cli(*args, cwd=cwd)
+            code, stdout, stderr = fresh.returncode, fresh.stdout, fresh.stderr
+        else:
+            case = forked_cli.run(cwd, args)
+            code, stdout, stderr = case.rc, case.stdout, case.stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert code == 2 and len(errors) == 1, (args, stdout, stderr)
+        assert "Traceback" not in stderr
     assert not (run / "STOP").exists(), "rollout stop acted on a ledger it cannot read"
     if kind == "empty":
         assert (run / "ledger.sqlite").stat().st_size == 0, "a command that reads a ledger wrote one"

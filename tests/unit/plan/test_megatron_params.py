@@ -55,6 +55,7 @@ def _transformer_config(spec: ModelSpec) -> Any:
         qk_layernorm=spec.qk_layernorm,
         mtp_num_layers=spec.mtp_num_layers or None,
         use_cpu_initialization=True,
+        perform_initialization=False,  # the count needs the shapes, not random weights (saves minutes on CPU)
         pipeline_dtype=torch.float32,
         **moe,
     )

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fuzz.harness import Runner  # tests/unit is on sys.path (pytest's rootdir-relative import)
 from paramiko import AutoAddPolicy, RejectPolicy
 
 from stepdeploy.remote.ssh import Endpoint, connection
@@ -59,27 +60,36 @@ def test_only_an_accepted_insecure_node_takes_unknown_keys(known_hosts: Path) ->
     assert "jump.example.org" in conn.client.get_host_keys()  # a known key that changes is still refused
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stepdeploy", *args], capture_output=True, text=True, timeout=120,
-                          cwd=cwd)
+SETTINGS = ["ansible_host_key_checking=false", "ansible_ssh_common_args='-o StrictHostKeyChecking=no'"]
 
 
-@pytest.mark.parametrize("setting", ["ansible_host_key_checking=false",
-                                     "ansible_ssh_common_args='-o StrictHostKeyChecking=no'"])
-def test_commands_that_connect_refuse_an_inventory_without_host_key_checking(tmp_path: Path, setting: str) -> None:
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_commands_that_connect_refuse_an_inventory_without_host_key_checking(tmp_path: Path, setting: str,
+                                                                            forked_cli: Runner) -> None:
     inventory = tmp_path / "inv.ini"
     inventory.write_text(f"[gpu]\nn1 ansible_host=127.0.0.1 ansible_port=1 {setting}\n"
                          "[gpu:vars]\nstepdeploy_profile=sim-cpu\n")
     variable = setting.split("=")[0]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+
+    def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        """The first setting through a fresh `python -m stepdeploy`, the other forked from the zygote."""
+        if setting == SETTINGS[0]:
+            return subprocess.run([sys.executable, "-m", "stepdeploy", *args], capture_output=True, text=True,
+                                  timeout=120, cwd=cwd)
+        case = forked_cli.run(cwd, list(args))
+        return subprocess.CompletedProcess(args, case.rc, case.stdout, case.stderr)
+
     for args in (["preflight", str(inventory)], ["provision", str(inventory), "--check"],
                  ["rollout", "run", "-i", str(inventory), "-m", "tiny-dense", "--dry-run"]):
-        res = _cli(*args, cwd=tmp_path)
+        res = _cli(*args, cwd=cwd)
         assert res.returncode == 2, (args, res.stderr)
         lines = res.stderr.splitlines()
         assert lines[0].startswith(f"warning: {variable}=") and "turns SSH host-key checking off for n1" in lines[0]
         assert lines[1].startswith("error: ") and "--insecure" in lines[2] and "Traceback" not in res.stderr
-    shown = _cli("inventory", "show", str(inventory), cwd=tmp_path)  # connects to nothing: warned, not refused
+    shown = _cli("inventory", "show", str(inventory), cwd=cwd)  # connects to nothing: warned, not refused
     assert shown.returncode == 0 and shown.stderr.startswith(f"warning: {variable}=")
-    accepted = _cli("preflight", str(inventory), "--insecure", "--timeout", "5", cwd=tmp_path)
+    accepted = _cli("preflight", str(inventory), "--insecure", "--timeout", "5", cwd=cwd)
     assert accepted.returncode == 3, accepted.stderr  # on to the node, which does not answer on port 1
     assert accepted.stderr.startswith(f"warning: {variable}=") and "error:" not in accepted.stderr
