@@ -17,7 +17,7 @@ from typing import Any
 from stepdeploy.monitor import classify, judge, probe, prometheus, training
 from stepdeploy.monitor.classify import Classification
 from stepdeploy.monitor.model import Finding, NodeSample, Severity, Thresholds
-from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, RunStatus
+from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, Executor, RunStatus
 
 MAX_FINDING_EVENTS = 20  # per round: a flood (every counter of a flapping port) is summarised, not copied
 
@@ -87,7 +87,7 @@ def collective_victims(status: RunStatus) -> list[int]:
 class SoakMonitor:
     """Runs the probe on the run's nodes, keeps each node's previous sample, records what it finds."""
 
-    def __init__(self, executor: Any, spec: probe.ProbeSpec, textfile: Path, limits: Thresholds,
+    def __init__(self, executor: Executor, spec: probe.ProbeSpec, textfile: Path, limits: Thresholds,
                  record: Callable[[str, str, dict[str, Any]], None], interval_s: float) -> None:
         self.executor, self.spec, self.textfile, self.limits = executor, spec, textfile, limits
         self.record, self.interval_s = record, interval_s
