@@ -14,7 +14,6 @@ from rich.live import Live as RichLive
 from rich.table import Table
 
 from stepdeploy import corpus, safeio
-from stepdeploy.catalog import load_model
 from stepdeploy.cli.common import connecting_cluster, finite_option, insecure_option
 from stepdeploy.cli.output import emit_json, err, info, out, warn
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
@@ -22,10 +21,10 @@ from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
 from stepdeploy.remote import registry
 from stepdeploy.render.options import RUN_ID
-from stepdeploy.rollout import gates, training_gates
+from stepdeploy.rollout import gates, stages
 from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, StageStopped, parse_checkpoint_interval
 from stepdeploy.rollout.inject import parse_all as parse_injections
-from stepdeploy.rollout.ladder import parse_stages, scale_ladder, target_rung
+from stepdeploy.rollout.stages import parse_stages
 
 app = typer.Typer(help="Staged rollout: warmup, scaling ladder, soak — gated, resumable, recorded in a ledger.",
                   epilog="Example: stepdeploy rollout run -i inventory/dgx.ini --model step-3.5-flash "
@@ -205,11 +204,11 @@ def _drive(run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig, cl
     try:
         if err.is_terminal:
             with RichLive(console=err, refresh_per_second=2, transient=True) as live:
-                rollout.on_tick = lambda lv: live.update(render(ledger, run_id, lv, time.time()))
+                rollout.service.on_tick = lambda lv: live.update(render(ledger, run_id, lv, time.time()))
                 rollout.run()
         else:
             plain = PlainReporter(ledger, run_id, err)
-            rollout.on_tick = plain
+            rollout.service.on_tick = plain
             try:
                 rollout.run()
             finally:
@@ -362,30 +361,11 @@ def _list_table(rows: list[dict]) -> None:
 
 
 def _print_plan(config: RolloutConfig, cluster: Cluster) -> None:
-    plan = {"stages": list(config.stages), "gates": asdict(config.thresholds)}
-    if "warmup" in config.stages:
-        plan["warmup"] = {**target_rung(cluster, config.model).as_dict(), "iterations": config.warmup_iterations,
-                          "gates": ["completed", "loss_finite"]}
-    if "scale" in config.stages:
-        plan["scale"], previous = [], None
-        for r in scale_ladder(cluster, config.model):
-            # scaling only against the previous rung of the same model; a rung that changes it: MFU vs its plan
-            scaling = "mfu_vs_plan" if previous not in (None, r.model) else "scaling_efficiency"
-            ceiling = ["step_time"] if config.thresholds.max_step_time_s is not None else []
-            plan["scale"].append({"rung": r.name, **r.as_dict(), "iterations": config.scale_iterations,
-                                  "gates": ["completed", "loss_finite", "loss_falling", scaling, "memory_vs_plan",
-                                            *ceiling]})
-            previous = previous if r.skip_reason else r.model
-    if "soak" in config.stages:
-        plan["soak"] = {**target_rung(cluster, config.model).as_dict(), "duration_s": config.soak_duration_s,
-                        "checkpoint_interval": config.checkpoint_interval, "max_restarts": config.soak_max_restarts,
-                        "keep_checkpoints": config.keep_checkpoints,
-                        "heartbeat_timeout_s": config.heartbeat_timeout_s,
-                        "monitor_interval_s": config.monitor_interval_s,
-                        "gates": ["no_unrecovered_failure", "loss_finite", *_training_gates(config.model)],
-                        "inject": [i.to_json() for i in parse_injections(config.inject)]}
-        if config.checkpoint_interval == AUTO:
-            plan["soak"] |= _auto_interval(cluster, config)
+    """What the registered stages (rollout/stages/) will run, each stage's part from its own plan(): its rungs,
+    iterations or duration, and the gates it will judge."""
+    plan: dict[str, Any] = {"stages": list(config.stages), "gates": asdict(config.thresholds)}
+    for name in config.stages:
+        plan[name] = stages.load(name).plan(config, cluster)
     plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
                         "(torchrun; see `stepdeploy render`)")
     kind = registry.default_kind(cluster, config.executor)
@@ -398,22 +378,3 @@ def _print_plan(config: RolloutConfig, cluster: Cluster) -> None:
                             f"{cluster.slurm.tasks}: the node's launch.sh or one rank per GPU); squeue/sacct to "
                             "follow, scancel to stop")
     out.print(json.dumps(plan, indent=2), markup=False)
-
-
-def _training_gates(model: str) -> list[str]:
-    moe = load_model(model).moe
-    return training_gates.gate_names(moe is not None, bool(moe and moe.load_balancing == "expert_bias"))
-
-
-def _auto_interval(cluster: Cluster, config: RolloutConfig) -> dict[str, Any]:
-    """The interval `auto` gives before anything is measured; the soak resolves it again when it starts."""
-    from stepdeploy.rollout import checkpoint_interval
-    from stepdeploy.rollout.soak import soak_schedule
-
-    interval = checkpoint_interval.for_dry_run(cluster, config)
-    expected = soak_schedule(config.soak_duration_s, interval.step_s, interval.step_source).expected
-    return {"checkpoint_interval": interval.iterations,
-            "checkpoint_interval_auto": {**interval.to_json(), "describe": interval.describe(),
-                                         "warning": checkpoint_interval.longer_than_the_soak(interval, expected),
-                                         "note": "resolved again when the soak starts, from the save stall and step "
-                                                 "time the warm-up and scale stages measured"}}

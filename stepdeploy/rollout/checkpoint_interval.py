@@ -23,7 +23,7 @@ from stepdeploy.rollout.config import RolloutConfig
 from stepdeploy.rollout.ladder import slots_per_node, sub_cluster, target_rung
 
 if TYPE_CHECKING:
-    from stepdeploy.rollout.runner import Rollout
+    from stepdeploy.rollout.service import AttemptService
 
 DEFAULT_STEP_S = 1.0  # no warm-up measured and no GPU plan (a soak run alone on CPU nodes): an assumption, said so
 
@@ -49,7 +49,7 @@ def predicted_step(cluster: Cluster, config: RolloutConfig) -> tuple[float | Non
     return summary.get("predicted_step_s"), "the planner's prediction"
 
 
-def step_estimate(r: Rollout) -> tuple[float, str]:
+def step_estimate(r: AttemptService) -> tuple[float, str]:
     """The target's step time: measured by the warm-up stage (its steady step), else the planner's prediction."""
     for event in r.ledger.events(r.run_id):
         data = event.get("data") or {}
@@ -79,7 +79,7 @@ def save_durations(phase_lines: list[dict[str, Any]]) -> list[float]:
             if p.get("phase") == "save" and isinstance(p.get("began"), int | float)]
 
 
-def measured_save(r: Rollout) -> tuple[float, str] | None:
+def measured_save(r: AttemptService) -> tuple[float, str] | None:
     """The median save stall of the target's attempts so far (the warm-up's, the scale ladder's target rung)."""
     runs = {a["detail"]["local_run"]: None for a in r.ledger.attempts(r.run_id)  # a soak's attempts share one
             if (a["detail"].get("rung") or {}).get("model") == r.config.model and a["detail"].get("local_run")}
@@ -89,7 +89,7 @@ def measured_save(r: Rollout) -> tuple[float, str] | None:
     return statistics.median(durations), f"measured: the median of {len(durations)} save(s) of the target so far"
 
 
-def for_soak(r: Rollout, step_s: float, step_source: str) -> checkpoint.CheckpointInterval:
+def for_soak(r: AttemptService, step_s: float, step_source: str) -> checkpoint.CheckpointInterval:
     """The interval the soak renders with (measured inputs where the earlier stages have them)."""
     save_s, save_source = measured_save(r) or estimated_save(r.cluster, r.config.model)
     return checkpoint.resolve(max(save_s, 1e-3), save_source, step_s, step_source, gpus(r.cluster), r.config.mtbf_s)

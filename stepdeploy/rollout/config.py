@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from stepdeploy.errors import BadInput, StepdeployError
 from stepdeploy.rollout import gates
+from stepdeploy.rollout.stages import STAGES
 
 AUTO = "auto"  # --checkpoint-interval auto: Young/Daly's interval, resolved when the soak starts
 
@@ -32,7 +33,7 @@ class RolloutConfig:
     __pydantic_config__: ClassVar[dict[str, Any]] = PYDANTIC_CONFIG
     inventory: str
     model: str
-    stages: tuple[Literal["warmup", "scale", "soak"], ...]
+    stages: tuple[str, ...]  # registered stages (rollout/stages/), in rollout order
     layout: str | None = None
     proxy_model: str | None = None
     warmup_iterations: int = 10
@@ -66,12 +67,17 @@ class RolloutConfig:
         from pydantic import ValidationError
 
         try:
-            return _validator().validate_python(data)
+            config: RolloutConfig = _validator().validate_python(data)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"]) or "(top level)"
             raise BadInput(f"{source}: {where}: {first['msg']}; not a rollout configuration this stepdeploy "
                            "reads") from None
+        unknown = [i for i, name in enumerate(config.stages) if name not in STAGES]
+        if unknown:
+            raise BadInput(f"{source}: stages.{unknown[0]}: {config.stages[unknown[0]]!r} is not a rollout stage "
+                           f"({', '.join(STAGES)}); not a rollout configuration this stepdeploy reads")
+        return config
 
     def checked(self) -> RolloutConfig:
         """This configuration, validated as a ledger's would be (what `rollout run` stores, it can read back)."""

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stepdeploy.errors import BadInput
-from stepdeploy.inventory.model import Node
+from stepdeploy.inventory.model import Cluster, Node
+from stepdeploy.ledger import Ledger
+from stepdeploy.remote.executor import Executor, RunStatus
 
 KINDS = ("kill", "hang", "link-down", "node-loss")
 RANK_KINDS, NODE_KINDS = ("kill", "hang"), ("link-down", "node-loss")
@@ -178,12 +180,12 @@ class FaultActions(Protocol):
     """How `link-down` and `node-loss` act on a node; each returns (ok, what was done). The run's processes on
     a lost node are killed by the Injector before `node_loss` (through the executor, for every strategy)."""
 
-    def link_down(self, executor: Any, node: Node, iface: str, for_s: float) -> tuple[bool, str]: ...
+    def link_down(self, executor: Executor, node: Node, iface: str, for_s: float) -> tuple[bool, str]: ...
 
-    def node_loss(self, executor: Any, node: Node, for_s: float) -> tuple[bool, str]: ...
+    def node_loss(self, executor: Executor, node: Node, for_s: float) -> tuple[bool, str]: ...
 
 
-def run_on(executor: Any, node: str, command: str) -> tuple[bool, str]:
+def run_on(executor: Executor, node: str, command: str) -> tuple[bool, str]:
     """`command` on one node of the run through the executor: (ok, its output's last 300 characters)."""
     targets = [t for t in executor.targets if t.name == node]
     result = executor.run_command(command, targets)[0]
@@ -193,11 +195,11 @@ def run_on(executor: Any, node: str, command: str) -> tuple[bool, str]:
 class NodeFaults:
     """Real nodes: a detached script on the node acts and always undoes it after D, even if SSH dies."""
 
-    def link_down(self, executor: Any, node: Node, iface: str, for_s: float) -> tuple[bool, str]:
+    def link_down(self, executor: Executor, node: Node, iface: str, for_s: float) -> tuple[bool, str]:
         ok, out = run_on(executor, node.name, guarded_link_down_command(iface, for_s))
         return ok, f"{iface} down on {node.name} for {for_s:.0f} s (guarded on the node)" + ("" if ok else out)
 
-    def node_loss(self, executor: Any, node: Node, for_s: float) -> tuple[bool, str]:
+    def node_loss(self, executor: Executor, node: Node, for_s: float) -> tuple[bool, str]:
         ok, out = run_on(executor, node.name, guarded_sshd_stop_command(for_s))
         return ok, f"sshd stopped on {node.name} for {for_s:.0f} s" + ("" if ok else f": {out}")
 
@@ -206,15 +208,15 @@ class NodeFaults:
 class Injector:
     """Fires the due injections of a soak through `executor`, each recorded in the ledger before it acts."""
 
-    def __init__(self, injections: list[Injection], *, ledger: Any, run_id: str, cluster: Any, executor: Any,
-                 started: float, faults: FaultActions | None = None) -> None:
+    def __init__(self, injections: list[Injection], *, ledger: Ledger, run_id: str, cluster: Cluster,
+                 executor: Executor, started: float, faults: FaultActions | None = None) -> None:
         """`faults`: how link-down and node-loss act (None: on real nodes, NodeFaults)."""
         self.injections, self.ledger, self.run_id = injections, ledger, run_id
         self.cluster, self.executor, self.started = cluster, executor, started
         self.faults: FaultActions = faults or NodeFaults()
         self.fired = {e["data"].get("spec") for e in ledger.events(run_id) if e["kind"] == "inject"}
 
-    def tick(self, status: Any, now: float) -> list[str]:
+    def tick(self, status: RunStatus, now: float) -> list[str]:
         """Fire what is due; returns one line per injection fired."""
         lines = []
         for inj in due(self.injections, self.started, now, self.fired):
@@ -231,7 +233,7 @@ class Injector:
             lines.append(f"injected {inj.spec}: {detail}")
         return lines
 
-    def _target(self, inj: Injection, status: Any) -> dict[str, Any] | None:
+    def _target(self, inj: Injection, status: RunStatus) -> dict[str, Any] | None:
         """Whom to hit, once the run trains (a heartbeat: a fault during start-up tests no recovery from a
         checkpoint); None: not yet, try on the next poll."""
         ranks = status.ranks

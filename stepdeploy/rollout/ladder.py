@@ -1,4 +1,4 @@
-"""The stages and the scaling ladder of a rollout (pure: a cluster and a target model in, rungs out).
+"""The scaling ladder of a rollout (pure: a cluster and a target model in, rungs out).
 
 The seed's advice made concrete: validate a ~1B proxy first (MoE for an MoE target), on one GPU, then all GPUs of
 one node, then all nodes, then the target model on all nodes. A rung the cluster cannot hold, or one that would repeat
@@ -10,10 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stepdeploy.catalog import load_model
-from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 
-STAGES = ("warmup", "scale", "soak")
 CPU_PROXY = "tiny-dense"  # CPU nodes (simulated cluster, CI): the torch engine
 GPU_PROXY = "proxy-0.7b-dense"  # ~0.7B, the H200 baseline of FACTS
 # an MoE target's proxies are MoE too: expert dispatch (router, permutation, expert parallelism) runs at every
@@ -42,14 +40,6 @@ class Rung:
 def slots_per_node(cluster: Cluster) -> int:
     """Ranks a node runs: its GPUs, or one process on a CPU node."""
     return max(cluster.nodes[0].gpus_per_node or 0, 1)
-
-
-def parse_stages(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in STAGES]
-    if unknown or not names:
-        raise BadInput(f"unknown stage {', '.join(unknown) or '(none)'}; stages are {', '.join(STAGES)}")
-    return tuple(s for s in STAGES if s in names)  # always in rollout order
 
 
 def proxy_for(cluster: Cluster, target_model: str) -> str:

@@ -17,7 +17,8 @@ from typing import Any
 from stepdeploy.monitor import classify, judge, probe, prometheus, training
 from stepdeploy.monitor.classify import Classification
 from stepdeploy.monitor.model import Finding, NodeSample, Severity, Thresholds
-from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, RunStatus
+from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, Executor, RunStatus
+from stepdeploy.render.manifest import Manifest
 
 MAX_FINDING_EVENTS = 20  # per round: a flood (every counter of a flapping port) is summarised, not copied
 
@@ -87,7 +88,7 @@ def collective_victims(status: RunStatus) -> list[int]:
 class SoakMonitor:
     """Runs the probe on the run's nodes, keeps each node's previous sample, records what it finds."""
 
-    def __init__(self, executor: Any, spec: probe.ProbeSpec, textfile: Path, limits: Thresholds,
+    def __init__(self, executor: Executor, spec: probe.ProbeSpec, textfile: Path, limits: Thresholds,
                  record: Callable[[str, str, dict[str, Any]], None], interval_s: float) -> None:
         self.executor, self.spec, self.textfile, self.limits = executor, spec, textfile, limits
         self.record, self.interval_s = record, interval_s
@@ -130,8 +131,8 @@ class SoakMonitor:
                         {"count": len(found)})
 
 
-def probe_spec(manifest: dict[str, Any], train_iface: str | None) -> probe.ProbeSpec:
+def probe_spec(manifest: Manifest, train_iface: str | None) -> probe.ProbeSpec:
     """What the soak's monitor reads: the run's files, its checkpoint disk, its training interface."""
-    run_dir = manifest["run_dir"]
+    run_dir = manifest.run_dir
     return probe.ProbeSpec(run_dir=run_dir, checkpoint_dir=f"{run_dir}/out",
                            ifaces=(train_iface,) if train_iface else ())

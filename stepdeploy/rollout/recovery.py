@@ -1,29 +1,18 @@
-"""After a soak run failed: stop everything (and show it), wait for lost nodes, diagnose the failed attempt's
-log lines, clear the rank files for the next attempt. Also what every stage's launch shares: the attempt
-marker written into the logs before a start, the diagnosis of one attempt's lines, a failed launch named.
+"""What every stage's launch shares: the attempt marker written into the logs before a start, the lines of
+one attempt's logs (what its diagnosis reads), a failed launch named (a full disk as such, with what `df` says).
 
-Every step is a ledger event; the controller's clock (rollout/clock.py) times the node wait."""
+The soak's recovery after a failure (stop, wait for lost nodes, diagnose) is rollout/stages/soak_recovery.py."""
 
 from __future__ import annotations
 
 import shlex
 import time
-from typing import TYPE_CHECKING, Any
 
-from stepdeploy.monitor import classify, diagnose
-from stepdeploy.monitor.classify import Classification
-from stepdeploy.rollout import inject, monitors
-from stepdeploy.rollout.config import StageFailed, StageStopped
+from stepdeploy.monitor import diagnose
+from stepdeploy.remote.executor import Executor, NodeResult
+from stepdeploy.rollout import inject
 
-if TYPE_CHECKING:
-    from stepdeploy.rollout.runner import Rollout
-
-CLEAR_RANK_FILES = "rm -f -- out/status/rank* out/heartbeat/rank*"  # a new attempt must not read the last one's
 LOG_TAIL = 400  # lines of each node's log the diagnosis reads (of the failed attempt's: after its marker)
-
-
-def event(r: Rollout, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-    r.ledger.event(r.run_id, kind, message, stage="soak", data=data)
 
 
 # --- the attempt's own log lines ---------------------------------------------------------------------------------
@@ -35,13 +24,13 @@ def marker_command(label: str, now: float) -> str:
             ">> \"$f\"; fi; done; true")
 
 
-def attempt_log_lines(executor: Any, nodes: list[str]) -> list[str]:
+def attempt_log_lines(executor: Executor, nodes: list[str]) -> list[str]:
     """The last LOG_TAIL lines of each node's log that the current attempt wrote."""
     logs = executor.logs(tail=LOG_TAIL)
     return [line for n in nodes for line in diagnose.attempt_lines(logs.get(n, []))]
 
 
-def launch_failure(executor: Any, where: str, bad: list[Any]) -> str:
+def launch_failure(executor: Executor, where: str, bad: list[NodeResult]) -> str:
     """The one-line error of a launch (prepare or start) that failed on some node: a full disk named as such,
     with what `df` says of the run directory's disk when the node answers."""
     first = bad[0]
@@ -50,7 +39,7 @@ def launch_failure(executor: Any, where: str, bad: list[Any]) -> str:
     return f"{where}: {first.node}: {first.detail}"
 
 
-def _df(executor: Any, node: str) -> str:
+def _df(executor: Executor, node: str) -> str:
     try:
         ok, out = inject.run_on(executor, node, "df -P -k . | tail -n 1")
     except Exception:  # best effort: the error above stands without it
@@ -59,91 +48,3 @@ def _df(executor: Any, node: str) -> str:
     if not ok or len(fields) < 6 or not fields[3].isdigit():
         return ""
     return f" (df: {int(fields[3]) // 1024} MiB free on {fields[5]})"
-
-
-# --- recovery of a failed soak run ------------------------------------------------------------------------------
-def recover(r: Rollout, executor: Any, monitor: monitors.SoakMonitor, verdict: Classification | None
-            ) -> list[diagnose.Diagnosis]:
-    """Stop everything (and show it), wait for lost nodes, diagnose, clear the rank files for the next attempt;
-    returns the diagnosis (a full disk ends the soak: a restart cannot fix it)."""
-    stop_and_prove(r, executor)
-    lost = monitors.unreachable_nodes(executor.poll())
-    if lost:
-        if not wait_for_nodes(r, executor, lost):
-            raise StageFailed(f"soak: node(s) {', '.join(lost)} lost and not back within {r.config.node_wait_s:.0f} s")
-        status = executor.poll()  # the node is back: what do its counters say now?
-        stop_and_prove(r, executor)
-        clear_rank_files(executor)  # its dead ranks' files would read as hung ranks
-        verdict = reclassify(r, monitor, status, verdict) or verdict
-    found = diagnose_attempt(r, executor, verdict)
-    node = verdict.node if verdict else None
-    event(r, "preflight", f"preflight of the suspect node {node or '(none)'} skipped: the soak restarts on the same "
-          "nodes; run `stepdeploy preflight` on it if the failure repeats", {"node": node})
-    clear_rank_files(executor)
-    return found
-
-
-def clear_rank_files(executor: Any) -> None:
-    bad = [c.node for c in executor.run_command(CLEAR_RANK_FILES) if not c.ok]
-    if bad:
-        raise StageFailed(f"soak: cannot clear the rank files on {', '.join(bad)} before the restart")
-
-
-def stop_and_prove(r: Rollout, executor: Any) -> None:
-    stops = executor.stop()
-    left = {s.node: list(s.left) for s in stops if s.left}
-    unreachable = [s.node for s in stops if not s.ok and not s.left]
-    parts = [f"{s.node}: {s.detail}" for s in stops]
-    event(r, "stop", "stop: " + "; ".join(parts), {"ok": all(s.ok for s in stops), "left": left,
-                                                  "unreachable": unreachable,
-                                                  "killed": {s.node: list(s.killed) for s in stops}})
-    if left:
-        raise StageFailed(f"soak: processes of the run survived the stop: {left}")
-
-
-def wait_for_nodes(r: Rollout, executor: Any, lost: list[str]) -> bool:
-    """Poll until the lost nodes answer again (True) or node_wait_s passes (False); a stop request ends the
-    wait (StageStopped)."""
-    event(r, "node-wait", f"waiting up to {r.config.node_wait_s:.0f} s for {', '.join(lost)} to come back", {})
-    until = r.clock.time() + r.config.node_wait_s
-    while r.clock.time() < until:
-        if r.stop_requested():
-            raise StageStopped(f"soak: stopped on request while waiting for {', '.join(lost)}")
-        still = monitors.unreachable_nodes(executor.poll())
-        if not still:
-            event(r, "node-wait", f"{', '.join(lost)} reachable again", {"time": r.clock.time()})
-            return True
-        r.clock.sleep(2.0)
-    event(r, "node-wait", f"{', '.join(lost)} still unreachable after {r.config.node_wait_s:.0f} s", {})
-    return False
-
-
-def reclassify(r: Rollout, monitor: monitors.SoakMonitor, status: Any, verdict: Classification | None
-               ) -> Classification | None:
-    """A node that was unreachable and came back was not necessarily lost: its interface may have gone down
-    (the simulated nodes carry SSH and training on one interface). Its counters and ranks decide."""
-    if verdict is None or verdict.kind != classify.NODE_LOSS:
-        return None
-    found = monitor.collect(status, r.clock.time())
-    flapped = [f for f in found if f.kind == "link" and f.severity.value == "fail"]
-    if not flapped:
-        event(r, "classified", f"node-loss confirmed for {verdict.node}: no link flap recorded on its return",
-              verdict.to_json())
-        return None
-    again = Classification(classify.LINK, verdict.node, None,
-                           tuple(f"monitor: {f.node} {f.subject}: {f.message}" for f in flapped) + verdict.evidence)
-    event(r, "classified", f"re-classified as link: {again.evidence[0]}", again.to_json())
-    return again
-
-
-def diagnose_attempt(r: Rollout, executor: Any, verdict: Classification | None) -> list[diagnose.Diagnosis]:
-    """Known signatures in the failed attempt's lines of the culprit's log (every node's without a culprit)."""
-    nodes = [verdict.node] if verdict and verdict.node else [t.name for t in executor.targets]
-    found = diagnose.diagnose("\n".join(attempt_log_lines(executor, nodes)))
-    if not found:
-        event(r, "diagnosis", f"no known failure signature in this attempt's last {LOG_TAIL} log lines of "
-              f"{', '.join(nodes)}", {"nodes": nodes, "diagnoses": []})
-        return []
-    event(r, "diagnosis", "; ".join(f"{d.signature}: {d.cause}" for d in found),
-          {"nodes": nodes, "diagnoses": [d.to_json() for d in found]})
-    return found

@@ -12,7 +12,9 @@ FakeNodes is the run's world, shared by every executor the controller opens on i
 real nodes): it keeps what the workload would write on the nodes -- rank 0's out/metrics.jsonl and
 out/phases.jsonl, every rank's status and heartbeat, each node's log (appended across starts) -- and advances
 it on the clock: after a start's `startup_s` one iteration every `step_s`, a checkpoint every `save_every`
-iterations, a restart resuming from the last one. `fetch` writes those files where the real collect path reads
+iterations, a restart resuming from the last one. A start of another rendered run (warmup's, each scale rung's)
+starts from scratch on that run's nodes; a run ends with exit 0 after its workload.json's iterations (the soak's
+never do), and an MoE model's metrics carry an expert load. `fetch` writes those files where the real collect path reads
 them. Faults are scripted per start (kill, hang, a rank exiting with a log line, a node unreachable for a
 while) and per call (`fail`: the next prepare/start/stop/fetch/run_command answers not-ok on a node);
 `run_command` understands the controller's own commands (the latest metrics line, the rank files cleared, the

@@ -12,7 +12,7 @@ from stepdeploy.monitor.diagnose import ATTEMPT_MARKER
 from stepdeploy.remote.executor import CommandResult, NodeResult, RunStatus, StopResult
 
 if TYPE_CHECKING:
-    from stepdeploy.testing.nodes import FakeNodes
+    from stepdeploy.testing.nodes import FakeNodes, RunSpec
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,9 @@ class FakeTarget:
 class FakeExecutor:
     """The executor protocol (FabricExecutor's methods) over FakeNodes."""
 
-    def __init__(self, nodes: FakeNodes, targets: list[FakeTarget], run_id: str) -> None:
-        self.world, self.targets, self.run_id, self.run_dir = nodes, targets, run_id, f"/fake/{run_id}"
+    def __init__(self, nodes: FakeNodes, targets: list[FakeTarget], spec: RunSpec) -> None:
+        self.world, self.targets, self.spec = nodes, targets, spec
+        self.run_id, self.run_dir = spec.run_id, f"/fake/{spec.run_id}"
 
     def __enter__(self) -> FakeExecutor:
         return self
@@ -59,7 +60,7 @@ class FakeExecutor:
         results = [NodeResult(t.name, False, why) if (why := self._answer("start", t.name)) else
                    NodeResult(t.name, True, "launch pid 4242") for t in self.targets]
         if all(r.ok for r in results):
-            self.world.begin()
+            self.world.begin(self.spec, [t.name for t in self.targets])
         return results
 
     def poll(self) -> RunStatus:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,28 @@ class Fault:
     line: str = ""  # exit: what the rank writes to its node's log (and its status reason)
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """What the rendered run asks of the workload (its workload.json): its iterations (it exits 0 after the last)
+    and whether its model has experts (its metrics then carry an expert load, and a router bias with expert-bias
+    balancing). An unknown run trains for ever, densely."""
+
+    run_id: str
+    iterations: int | None = None
+    moe: bool = False
+    expert_bias: bool = False
+
+    @classmethod
+    def of(cls, local: Path, run_id: str) -> RunSpec:
+        path = local / "workload.json"
+        if not path.is_file():
+            return cls(run_id)
+        workload = json.loads(path.read_text())
+        moe = workload["model"].get("moe") or {}
+        return cls(run_id, int(workload["training"]["iterations"]), bool(moe),
+                   moe.get("load_balancing") == "expert_bias")
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -66,6 +89,7 @@ class _Start:
     beat: float | None = None  # the last heartbeat's time
     active: bool = True  # its processes run (some may be dead or stopped)
     faults: list[Fault] = field(default_factory=list)
+    spec: RunSpec = field(default_factory=lambda: RunSpec(""))  # the rendered run it is a start of
 
 
 class FakeNodes:
@@ -128,12 +152,12 @@ class FakeNodes:
 
     def executor(self, cluster: Any = None, local: Path | None = None) -> FakeExecutor:
         """The executor of the run rendered in `local` (its manifest names the nodes), as attempt.executor_for."""
-        targets, run_id = [FakeTarget(n, f"nodes/{i}-{n}") for i, n in enumerate(self.nodes, 1)], "fake-run"
+        targets, spec = [FakeTarget(n, f"nodes/{i}-{n}") for i, n in enumerate(self.nodes, 1)], RunSpec("fake-run")
         if local is not None and (local / "manifest.json").exists():
             manifest = Manifest.load(local)
             targets = [FakeTarget(n.name, n.dir) for n in manifest.nodes]
-            run_id = manifest.run_id
-        return FakeExecutor(self, targets, run_id)
+            spec = RunSpec.of(local, manifest.run_id)
+        return FakeExecutor(self, targets, spec)
 
     # --- the world on the clock ---------------------------------------------------------------------------------
     @property
@@ -160,7 +184,7 @@ class FakeNodes:
     def _train_until(self, run: _Start, when: float) -> None:
         end = min(when, run.frozen_at if run.frozen_at is not None else when)
         first = run.at + self.startup_s
-        while True:
+        while run.active:
             iteration = run.done + 1
             t = first + (iteration - run.resumed_from) * self.step_s
             if t > end:
@@ -168,12 +192,25 @@ class FakeNodes:
             run.done, run.beat = iteration, t
             if iteration == run.resumed_from + 1:
                 self._phase("first_step", t, run, iteration=iteration, step_s=self.step_s)
-            self.metrics.append({"iteration": iteration, "time": t, "loss": round(4.0 / (1 + iteration / 50), 5),
-                                 "grad_norm": 1.0, "lr": 3e-3, "step_time_s": self.step_s,
-                                 "tokens_per_s": 256 / self.step_s, "rank_step_time_s": [self.step_s] * len(run.ranks)})
-            if iteration % self.save_every == 0:
+            self.metrics.append(self._metrics_line(run, iteration, t))
+            if iteration % self.save_every == 0 or iteration == run.spec.iterations:
                 self.committed = iteration
                 self._phase("save", t, run, iteration=iteration, began=t - 0.01)
+            if iteration == run.spec.iterations:  # the last: every rank exits 0
+                for r in run.ranks:
+                    r.state, r.code = (EXITED, 0) if r.state == RUNNING else (r.state, r.code)
+                run.frozen_at, run.active = t, False
+
+    def _metrics_line(self, run: _Start, iteration: int, t: float) -> dict[str, Any]:
+        """What rank 0 writes for an iteration: a falling loss, a steady step, 128 tokens a second per rank."""
+        line = {"iteration": iteration, "time": t, "loss": round(4.0 / (1 + iteration / 50), 5), "grad_norm": 1.0,
+                "lr": 3e-3, "step_time_s": self.step_s, "tokens_per_s": 128 * len(run.ranks) / self.step_s,
+                "rank_step_time_s": [self.step_s] * len(run.ranks)}
+        if run.spec.moe:
+            line |= {"moe_load_max": 1.2, "moe_load_ceiling": 4.0, "moe_dropped": 0.0}
+        if run.spec.expert_bias:
+            line["router_bias_absmax"] = 0.001
+        return line
 
     def _phase(self, name: str, when: float, run: _Start, **data: Any) -> None:
         self.phases.append({"phase": name, "time": when, "pid": run.ranks[0].pid, **data})
@@ -213,12 +250,18 @@ class FakeNodes:
                 return detail
         return None
 
-    def begin(self) -> None:
+    def begin(self, spec: RunSpec | None = None, nodes: list[str] | None = None) -> None:
+        """A start of the workload on `nodes` (default: all): of the same run as the last start (a restart resumes
+        from its last checkpoint), or of another (a new rendering: it starts from scratch)."""
+        spec = spec or RunSpec("fake-run")
+        if self.starts and spec.run_id != self.starts[-1].spec.run_id:
+            self.metrics, self.phases, self.committed = [], [], 0
+            self.logs = {n: [] for n in self.nodes}
         number = len(self.starts) + 1
         ranks = [_Rank(i * self.ranks_per_node + k, n, 1000 * number + i * self.ranks_per_node + k)
-                 for i, n in enumerate(self.nodes) for k in range(self.ranks_per_node)]
+                 for i, n in enumerate(nodes or self.nodes) for k in range(self.ranks_per_node)]
         run = _Start(number, self.clock.time(), self.committed, ranks, done=self.committed,
-                     faults=[f for f in self.faults if f.start == number])
+                     faults=[f for f in self.faults if f.start == number], spec=spec)
         self.starts.append(run)
         self._phase("start", run.at, run)
         self._phase("resumed", run.at + self.startup_s, run, iteration=self.committed, load_s=0.01)

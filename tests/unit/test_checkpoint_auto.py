@@ -15,7 +15,7 @@ from stepdeploy.ledger import Ledger
 from stepdeploy.plan import checkpoint
 from stepdeploy.rollout import checkpoint_interval
 from stepdeploy.rollout.config import AUTO, RolloutConfig
-from stepdeploy.rollout.soak import SoakSchedule, _record_goodput, _save_interval
+from stepdeploy.rollout.stages.soak import SoakSchedule, _record_goodput, _save_interval
 
 CPU_PAIR = "[g]\nnode1 ansible_host=10.90.0.11\nnode2 ansible_host=10.90.0.12\n[g:vars]\nstepdeploy_gpus_per_node=0\n"
 TINY_DENSE_PARAMS = 7_096_576

@@ -176,7 +176,7 @@ def test_every_poll_updates_the_live_ratio_and_the_view_shows_it() -> None:
 
     from stepdeploy.remote.executor import NodeStatus, RankStatus, RunStatus
     from stepdeploy.rollout.attempt import Live
-    from stepdeploy.rollout.soak import Watch
+    from stepdeploy.rollout.stages.soak import Watch
     from stepdeploy.rollout.view import figures
 
     live = Live(stage="soak", rung="target", last={"iteration": 4, "step_time_s": 2.0, "loss": 3.5})

@@ -95,7 +95,7 @@ def test_soak_refuses_injections_naming_ranks_or_nodes_the_run_lacks(tmp_path):
     import json
 
     from stepdeploy.rollout.config import StageFailed
-    from stepdeploy.rollout.soak import _check_injections
+    from stepdeploy.rollout.stages.soak import _check_injections
 
     (tmp_path / "manifest.json").write_text(json.dumps({"nodes": [{"name": "node1"}, {"name": "node2"}]}))
     _check_injections(inject.parse_all(["kill:rank=last@1m", "node-loss:node=node2@2m"]), tmp_path, 2)

@@ -11,7 +11,7 @@ import pytest
 
 from stepdeploy.cli.app import main
 from stepdeploy.rollout.config import RolloutConfig
-from stepdeploy.rollout.runner import Rollout
+from stepdeploy.rollout.service import AttemptService
 
 CPU_PAIR = "[g]\nnode1 ansible_host=10.90.0.11\nnode2 ansible_host=10.90.0.12\n[g:vars]\nstepdeploy_gpus_per_node=0\n"
 
@@ -39,6 +39,6 @@ def test_every_attempt_renders_with_it() -> None:
     assert RolloutConfig.from_json(config.to_json()).keep_checkpoints == 3
     old = {k: v for k, v in config.to_json().items() if k != "keep_checkpoints"}  # a ledger from before
     assert RolloutConfig.from_json(old).keep_checkpoints == 2
-    opts = Rollout.render_options(SimpleNamespace(config=config), "soak", SimpleNamespace(nproc_per_node=1), 10,
-                                  "r-soak-a1", save_interval=5)
+    opts = AttemptService.render_options(SimpleNamespace(config=config), "soak", SimpleNamespace(nproc_per_node=1),
+                                         10, "r-soak-a1", save_interval=5)
     assert opts.keep_checkpoints == 3 and opts.save_interval == 5

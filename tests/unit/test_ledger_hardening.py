@@ -265,7 +265,7 @@ def test_resume_replaces_a_running_attempt_whose_run_directory_is_gone(
     def executor_for(cluster: object, local: Path) -> object:  # the deleted run directory is read for real
         return real.executor_for(cluster, local) if "deleted" in str(local) else StubExecutor()  # type: ignore
 
-    monkeypatch.setattr("stepdeploy.rollout.runner.executor_for", executor_for)
+    monkeypatch.setattr("stepdeploy.rollout.service.executor_for", executor_for)
     run = tmp_path / "gone"
     run.mkdir()
     led = Ledger(run / "ledger.sqlite")
@@ -285,7 +285,7 @@ def test_a_stage_that_cannot_render_fails_as_a_stage(tmp_path: Path, monkeypatch
     def refuse(*_args: object) -> None:
         raise BadInput("the rendering was refused")
 
-    monkeypatch.setattr("stepdeploy.rollout.runner.render_attempt", refuse)
+    monkeypatch.setattr("stepdeploy.rollout.service.render_attempt", refuse)
     run = tmp_path / "refused"
     assert _main("rollout", "run", "-i", str(_inventory(tmp_path)), "-m", "tiny-dense", "--stages", "warmup",
                  "--run-dir", str(run)) == 1
@@ -297,7 +297,7 @@ def test_a_stage_that_cannot_render_fails_as_a_stage(tmp_path: Path, monkeypatch
 def test_a_nan_loss_fails_the_warmup_gate_and_resume_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     inventory = _inventory(tmp_path)
-    monkeypatch.setattr("stepdeploy.rollout.runner.executor_for", StubExecutor)
+    monkeypatch.setattr("stepdeploy.rollout.service.executor_for", StubExecutor)
     run = tmp_path / "nanrun"
     StubExecutor.losses = [5.0, math.nan, 4.0]
     assert _main("rollout", "run", "-i", str(inventory), "-m", "tiny-dense", "--stages", "warmup",

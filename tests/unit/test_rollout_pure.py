@@ -11,7 +11,8 @@ import pytest
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory import load_cluster
 from stepdeploy.rollout import gates
-from stepdeploy.rollout.ladder import parse_stages, scale_ladder, sub_cluster, target_rung
+from stepdeploy.rollout.ladder import scale_ladder, sub_cluster, target_rung
+from stepdeploy.rollout.stages import parse_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -176,24 +177,24 @@ def test_scale_gates_compare_rungs_of_the_same_model_only() -> None:
     from types import SimpleNamespace
 
     from stepdeploy.rollout.ladder import Rung
-    from stepdeploy.rollout.runner import Rollout
+    from stepdeploy.rollout.stages.scale import rung_verdicts
 
     fake = SimpleNamespace(config=SimpleNamespace(thresholds=gates.Thresholds()))
     metrics = [{"iteration": i + 1, "loss": 5.0 - 0.1 * i, "tokens_per_s": 1000.0, "mfu": 0.5, "mem_peak_gib": 10.0}
                for i in range(8)]
     plan = {"predicted_mfu": 0.5, "predicted_torch_allocated_gib": 10.0}
-    target = Rollout._scale_gates(fake, Rung("target-all-nodes", "big-moe", 1, 1), metrics, plan, ("proxy", 5000.0))
+    target = rung_verdicts(fake.config, Rung("target-all-nodes", "big-moe", 1, 1), metrics, plan, ("proxy", 5000.0))
     assert [v.gate for v in target] == ["loss_falling", "mfu_vs_plan", "memory_vs_plan"]
     assert all(v.passed for v in target)
-    proxy = Rollout._scale_gates(fake, Rung("proxy-1-node", "proxy", 1, 1), metrics, plan, ("proxy", 5000.0))
+    proxy = rung_verdicts(fake.config, Rung("proxy-1-node", "proxy", 1, 1), metrics, plan, ("proxy", 5000.0))
     scaling = next(v for v in proxy if v.gate == "scaling_efficiency")
     assert not scaling.passed and scaling.measured == 0.2  # the same model: a real scaling verdict
-    first = Rollout._scale_gates(fake, Rung("proxy-1-gpu", "proxy", 1, 1), metrics, plan, None)
+    first = rung_verdicts(fake.config, Rung("proxy-1-gpu", "proxy", 1, 1), metrics, plan, None)
     assert next(v for v in first if v.gate == "scaling_efficiency").reason == "first rung: the baseline"
 
 
 def test_the_soak_schedule_is_sized_from_its_expected_iterations() -> None:
-    from stepdeploy.rollout.soak import MAX_WARMUP, soak_schedule
+    from stepdeploy.rollout.stages.soak import MAX_WARMUP, soak_schedule
 
     # the dense soak: 150 s at 0.645 s a step
     s = soak_schedule(150.0, 0.645, "measured in the warm-up")

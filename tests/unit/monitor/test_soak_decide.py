@@ -6,7 +6,7 @@ from __future__ import annotations
 from stepdeploy.monitor.model import Finding, Severity
 from stepdeploy.remote.executor import EXITED, RUNNING, UNREACHABLE, NodeStatus, RankStatus, RunStatus
 from stepdeploy.rollout import monitors
-from stepdeploy.rollout.soak import stalled_restarts
+from stepdeploy.rollout.stages.soak import stalled_restarts
 
 from . import faults
 

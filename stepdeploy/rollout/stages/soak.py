@@ -8,8 +8,8 @@ ranks' logs diagnosed, the run restarted from its last complete checkpoint (the 
 workload resumes from `latest`) up to `soak_max_restarts`; restarts without progress stop the soak early.
 Every step is a ledger event. The soak clock is the stage's first start in the ledger, so a resumed
 controller continues the same soak (and does not fire an injection twice). Time is read from the rollout's
-clock (rollout/clock.py) and the nodes are reached through its executor factory, so the state machine runs
-against stepdeploy.testing's scripted executor in a unit test.
+clock (rollout/clock.py) and the nodes are reached through the attempt service's executors (rollout/service.py),
+so the state machine runs against stepdeploy.testing's scripted executor in a unit test.
 
 A stop requested while the soak restarts (`rollout stop` between a failure and the next launch, or while a
 lost node is waited for) launches nothing more: the stage ends `stopped`, as a stop during a run does."""
@@ -19,21 +19,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from stepdeploy.catalog import load_model
 from stepdeploy.errors import BadInput
+from stepdeploy.inventory.model import Cluster
 from stepdeploy.monitor import classify, diagnose
 from stepdeploy.monitor.classify import Classification
 from stepdeploy.monitor.model import Thresholds
+from stepdeploy.remote.executor import Executor, RunStatus
+from stepdeploy.render.manifest import Manifest
 from stepdeploy.rollout import checkpoint_interval, gates, goodput, inject, monitors, training_gates
-from stepdeploy.rollout.attempt import read_metrics, read_phases, render_attempt
+from stepdeploy.rollout.attempt import read_metrics, read_phases
 from stepdeploy.rollout.clock import REAL, Clock
-from stepdeploy.rollout.config import AUTO, StageFailed, StageStopped
-from stepdeploy.rollout.ladder import target_rung
-from stepdeploy.rollout.recovery import CLEAR_RANK_FILES, event, recover
-
-if TYPE_CHECKING:
-    from stepdeploy.rollout.runner import Rollout
+from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, StageStopped
+from stepdeploy.rollout.ladder import Rung, target_rung
+from stepdeploy.rollout.service import AttemptService
+from stepdeploy.rollout.stages.soak_recovery import CLEAR_RANK_FILES, event, recover
 
 SOAK_ITERATIONS = 10**9  # the soak ends by time, not by count
 
@@ -42,7 +44,7 @@ SOAK_ITERATIONS = 10**9  # the soak ends by time, not by count
 class Watch:
     """What the follow loop runs on every poll: injections, the monitors, the failure decision."""
 
-    r: Any
+    service: AttemptService
     monitor: monitors.SoakMonitor
     injector: inject.Injector | None
     live_goodput: goodput.LiveGoodput
@@ -50,21 +52,21 @@ class Watch:
     detected_at: float | None = None
     clock: Clock = REAL
 
-    def check(self, status: Any) -> str | None:
+    def check(self, status: RunStatus) -> str | None:
         now = self.clock.time()
-        self.live_goodput.observe(self.r.live.last)
-        self.r.live.goodput = self.live_goodput.ratio(now)
+        self.live_goodput.observe(self.service.live.last)
+        self.service.live.goodput = self.live_goodput.ratio(now)
         if self.injector is not None:
             for line in self.injector.tick(status, now):
-                self.r.live.note(line)
+                self.service.live.note(line)
         self.monitor.maybe_collect(status, now)
         verdict = monitors.decide(status, monitors.fail_findings(self.monitor.findings),
-                                  self.r.config.heartbeat_timeout_s, self.monitor.proc_states())
+                                  self.service.config.heartbeat_timeout_s, self.monitor.proc_states())
         if verdict is None:
             return None
         now = self.clock.time()  # the injection or the monitor round above may have taken a while
         self.verdict, self.detected_at = verdict, now
-        _event(self.r, "detected", f"{verdict.kind} detected on {verdict.node or 'the network'}"
+        _event(self.service, "detected", f"{verdict.kind} detected on {verdict.node or 'the network'}"
                + (f" (rank {verdict.rank})" if verdict.rank is not None else "") + f": {verdict.evidence[0]}",
                {**verdict.to_json(), "time": now, "iteration": monitors.progress_iteration(status)})
         return f"failure: {verdict.kind}"
@@ -73,21 +75,61 @@ class Watch:
 _event = event
 
 
-def run_soak(r: Rollout) -> None:
-    """The soak; its goodput is recorded when it ends, passed, failed or stopped."""
-    rung = target_rung(r.cluster, r.config.model)
-    stage = next(s for s in r.ledger.stages(r.run_id) if s.name == "soak")
-    soak_started = stage.started or r.clock.time()
-    local = _soak_dir(r, rung)
-    try:
-        _soak(r, rung, local, soak_started)
-    except StageFailed:
-        _record_goodput(r, local, soak_started, r.clock.time())
-        raise
-    _record_goodput(r, local, soak_started, r.clock.time())
+FAILURE_GATES = ("no_unrecovered_failure", "progress")  # judged (failed) when restarts run out or stall
 
 
-def _soak(r: Rollout, rung: Any, local: Path, soak_started: float) -> None:
+def soak_gates(model: str) -> list[str]:
+    """The gates a soak that ran its duration is judged by (`loss_finite` and the training gates when it reported
+    metrics; the MoE gates when the model has experts and reports their load)."""
+    moe = load_model(model).moe
+    names = training_gates.gate_names(moe is not None, bool(moe and moe.load_balancing == "expert_bias"))
+    return ["no_unrecovered_failure", "loss_finite", *names]
+
+
+class Soak:
+    name = "soak"
+
+    def run(self, service: AttemptService) -> None:
+        """The soak; its goodput is recorded when it ends, passed, failed or stopped."""
+        rung = target_rung(service.cluster, service.config.model)
+        stage = next(s for s in service.ledger.stages(service.run_id) if s.name == self.name)
+        soak_started = stage.started or service.clock.time()
+        local = _soak_dir(service, rung)
+        try:
+            _soak(service, rung, local, soak_started)
+        except StageFailed:
+            _record_goodput(service, local, soak_started, service.clock.time())
+            raise
+        _record_goodput(service, local, soak_started, service.clock.time())
+
+    def plan(self, config: RolloutConfig, cluster: Cluster) -> dict[str, Any]:
+        plan = {**target_rung(cluster, config.model).as_dict(), "duration_s": config.soak_duration_s,
+                "checkpoint_interval": config.checkpoint_interval, "max_restarts": config.soak_max_restarts,
+                "keep_checkpoints": config.keep_checkpoints, "heartbeat_timeout_s": config.heartbeat_timeout_s,
+                "monitor_interval_s": config.monitor_interval_s, "gates": soak_gates(config.model),
+                "inject": [i.to_json() for i in inject.parse_all(config.inject)],
+                "gates_on_failure": list(FAILURE_GATES), "max_stalled_restarts": config.soak_max_stalled_restarts}
+        if config.checkpoint_interval == AUTO:
+            plan |= _auto_interval(cluster, config)
+        return plan
+
+
+def _declared(r: AttemptService) -> list[str]:
+    return [*soak_gates(r.config.model), *FAILURE_GATES]
+
+
+def _auto_interval(cluster: Cluster, config: RolloutConfig) -> dict[str, Any]:
+    """The interval `auto` gives before anything is measured; the soak resolves it again when it starts."""
+    interval = checkpoint_interval.for_dry_run(cluster, config)
+    expected = soak_schedule(config.soak_duration_s, interval.step_s, interval.step_source).expected
+    return {"checkpoint_interval": interval.iterations,
+            "checkpoint_interval_auto": {**interval.to_json(), "describe": interval.describe(),
+                                         "warning": checkpoint_interval.longer_than_the_soak(interval, expected),
+                                         "note": "resolved again when the soak starts, from the save stall and step "
+                                                 "time the warm-up and scale stages measured"}}
+
+
+def _soak(r: AttemptService, rung: Rung, local: Path, soak_started: float) -> None:
     deadline = soak_started + r.config.soak_duration_s
     injections = inject.parse_all(r.config.inject)
     _check_injections(injections, local, rung.world)
@@ -117,18 +159,19 @@ def _soak(r: Rollout, rung: Any, local: Path, soak_started: float) -> None:
                f"{r.config.soak_max_restarts})", {"restart": restarts + 1, "time": r.clock.time()})
 
 
-def _one_attempt(r: Rollout, rung: Any, local: Path, attempt: int, started: float, state: tuple[bool, int],
+def _one_attempt(r: AttemptService, rung: Rung, local: Path, attempt: int, started: float, state: tuple[bool, int],
                  plan: tuple[list[inject.Injection], float, float]) -> str | None:
     """Launch (or re-attach to) the attempt and follow it to its end: None when the soak passed its duration,
     else the failure's cause (the attempt recorded failed, the run stopped everywhere and diagnosed)."""
     (alive, restarts), (injections, soak_started, deadline) = state, plan
-    with r.executor_for(local) as executor:
+    with r.executor(local) as executor:
         if not alive and restarts:  # also after a controller that died mid-recovery (best effort: see recover)
             executor.run_command(CLEAR_RANK_FILES)
         watch = _watch(r, executor, local, injections, soak_started)
-        status, why = r.launch_and_follow(executor, local, "soak", rung, None, deadline, reattach=alive,
-                                          check=watch.check, label=f"soak attempt {attempt}")
-        metrics = r.collect_since(executor, local, attempt, started)
+        if not alive:
+            r.launch(executor, local, f"soak/{rung.name}", f"soak attempt {attempt}")
+        status, why = r.follow(executor, "soak", rung, None, deadline, check=watch.check)
+        metrics = r.collect(executor, local, attempt, started)
         if why == "deadline":
             r.ledger.finish_attempt(attempt, "passed", _detail(metrics, "soak duration reached"))
             _final_gates(r, rung.name, restarts, local)
@@ -165,8 +208,9 @@ def _check_injections(injections: list[inject.Injection], local: Path, world: in
             raise StageFailed(f"soak: {exc.message}") from None
 
 
-def _watch(r: Rollout, executor: Any, local: Path, injections: list[inject.Injection], soak_started: float) -> Watch:
-    manifest = json.loads((local / "manifest.json").read_text())
+def _watch(r: AttemptService, executor: Executor, local: Path, injections: list[inject.Injection],
+           soak_started: float) -> Watch:
+    manifest = Manifest.load(local)
     first = r.cluster.node(executor.targets[0].name)
     limits = Thresholds(heartbeat_timeout_s=r.config.heartbeat_timeout_s)
     monitor = monitors.SoakMonitor(executor, monitors.probe_spec(manifest, first.train_iface),
@@ -179,7 +223,7 @@ def _watch(r: Rollout, executor: Any, local: Path, injections: list[inject.Injec
                  clock=r.clock)
 
 
-def _cause(verdict: Classification | None, status: Any, why: str) -> str:
+def _cause(verdict: Classification | None, status: RunStatus, why: str) -> str:
     if verdict is None:
         return "; ".join(status.culprits()) or why
     where = f" on {verdict.node}" if verdict.node else ""
@@ -187,16 +231,18 @@ def _cause(verdict: Classification | None, status: Any, why: str) -> str:
     return f"{verdict.kind}{where}{rank}: {verdict.evidence[0]}"
 
 
-def _check_limits(r: Rollout, rung: str, restarts: int, cause: str) -> None:
+def _check_limits(r: AttemptService, rung: str, restarts: int, cause: str) -> None:
     if restarts + 1 > r.config.soak_max_restarts:
-        r.ledger.verdict(r.run_id, "soak", rung, "no_unrecovered_failure", False, restarts + 1,
-                         r.config.soak_max_restarts, f"failed {restarts + 1} times: {cause}")
+        r.judge("soak", rung, [gates.GateVerdict("no_unrecovered_failure", False, restarts + 1,
+                                                 r.config.soak_max_restarts, f"failed {restarts + 1} times: {cause}")],
+                _declared(r))
         raise StageFailed(f"soak: unrecovered failure after {restarts} restart(s): {cause}")
     stalled = stalled_restarts([a["detail"].get("failed_at_iteration") for a in r.ledger.attempts(r.run_id, "soak")
                                 if a["status"] == "failed"])
     if stalled >= r.config.soak_max_stalled_restarts:
-        r.ledger.verdict(r.run_id, "soak", rung, "progress", False, stalled, r.config.soak_max_stalled_restarts,
-                         f"{stalled} restart(s) in a row without progress: {cause}")
+        r.judge("soak", rung, [gates.GateVerdict("progress", False, stalled, r.config.soak_max_stalled_restarts,
+                                                 f"{stalled} restart(s) in a row without progress: {cause}")],
+                _declared(r))
         raise StageFailed(f"soak: {stalled} restart(s) in a row made no progress: {cause}")
 
 
@@ -210,12 +256,12 @@ def stalled_restarts(failed_at: list[int | None]) -> int:
     return count
 
 
-def _alive(r: Rollout, local: Path) -> bool:
-    with r.executor_for(local) as executor:
+def _alive(r: AttemptService, local: Path) -> bool:
+    with r.executor(local) as executor:
         return executor.poll().running
 
 
-def _soak_dir(r: Rollout, rung: Any) -> Path:
+def _soak_dir(r: AttemptService, rung: Rung) -> Path:
     """The soak's one run directory (rendered once; restarts reuse it so checkpoints carry over)."""
     for a in r.ledger.attempts(r.run_id, "soak"):
         recorded = a["detail"].get("local_run")
@@ -231,11 +277,11 @@ def _soak_dir(r: Rollout, rung: Any) -> Path:
                schedule.to_json())
         opts = r.render_options("soak", rung, SOAK_ITERATIONS, f"{r.run_id}-soak", (schedule.warmup, schedule.decay),
                                 _save_interval(r, schedule))
-        render_attempt(r.cluster, rung, opts, r.config.layout, local)
+        r.render(rung, opts, local)
     return local
 
 
-def _save_interval(r: Rollout, schedule: SoakSchedule) -> int:
+def _save_interval(r: AttemptService, schedule: SoakSchedule) -> int:
     """The configured interval, or (auto) Young/Daly's from the save stall and the MTBF, recorded as an event."""
     if r.config.checkpoint_interval != AUTO:
         return int(r.config.checkpoint_interval)
@@ -246,7 +292,7 @@ def _save_interval(r: Rollout, schedule: SoakSchedule) -> int:
     return interval.iterations
 
 
-def _record_goodput(r: Rollout, local: Path, soak_started: float, ended: float | None = None) -> None:
+def _record_goodput(r: AttemptService, local: Path, soak_started: float, ended: float | None = None) -> None:
     """The soak's goodput (rollout/goodput.py) from its fetched metrics and phases and its ledger rows."""
     attempts = r.ledger.attempts(r.run_id, "soak")
     if not attempts:
@@ -290,7 +336,7 @@ def _detail(metrics: list[dict[str, Any]], why: str) -> dict[str, Any]:
     return {"why": why, "iterations": last.get("iteration"), "final_loss": last.get("loss")}
 
 
-def _final_gates(r: Rollout, rung: str, restarts: int, local: Path) -> None:
+def _final_gates(r: AttemptService, rung: str, restarts: int, local: Path) -> None:
     """Judged over the whole soak: every line of the run's metrics file, across its restarts."""
     verdicts = [gates.GateVerdict("no_unrecovered_failure", True, restarts, r.config.soak_max_restarts,
                                   f"soak completed its duration with {restarts} restart(s)")]
@@ -298,8 +344,7 @@ def _final_gates(r: Rollout, rung: str, restarts: int, local: Path) -> None:
     if all_metrics:
         verdicts.append(gates.losses_finite(all_metrics))
         verdicts += training_gates.soak_training_gates(all_metrics, _warmup_iterations(local), r.config.thresholds)
-    for v in verdicts:
-        r.ledger.verdict(r.run_id, "soak", rung, v.gate, v.passed, v.measured, v.threshold, v.reason)
+    r.judge("soak", rung, verdicts, _declared(r))
     failed = [v for v in verdicts if not v.passed]
     if failed:
         raise StageFailed(f"soak: gate {failed[0].gate} failed: {failed[0].reason}")
@@ -308,3 +353,6 @@ def _final_gates(r: Rollout, rung: str, restarts: int, local: Path) -> None:
 def _warmup_iterations(local: Path) -> int:
     """The learning-rate warm-up the soak's run trains with (its workload.json): the gates judge after it."""
     return int(json.loads((local / "workload.json").read_text())["training"]["warmup_iterations"])
+
+
+STAGE = Soak()

@@ -1,0 +1,171 @@
+"""The attempt service: what every stage does with an attempt of a rung, and the only way a stage reaches the
+nodes, the ledger's verdicts and the live view.
+
+    render   a rung's run directory (rollout/attempt.py's rendering)      -> the planner's summary
+    executor the executor of a rendered run (a context manager)
+    launch   upload and start it, an attempt marker in its logs first     (StageFailed naming a refusing node)
+    follow   poll it to its end, the deadline or a stop request           -> (status, why it ended)
+    collect  fetch its files; its new metrics lines into the ledger       -> the metrics
+    judge    write gate verdicts, each one a gate the stage declared      (UndeclaredGate otherwise)
+    record   the verdicts and the attempt's end (passed or failed)        (GateFailed on a failed gate)
+
+The stages (rollout/stages/) are peers over it: warmup, scale and soak each call these and nothing of one
+another's. The service knows no stage: it sits below them and above the executors and the ledger."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from stepdeploy.errors import StepdeployError
+from stepdeploy.inventory.model import Cluster
+from stepdeploy.ledger import Ledger
+from stepdeploy.monitor.parse_workload import METRIC_NAMES  # the names the report plots
+from stepdeploy.remote.executor import Executor, RunStatus
+from stepdeploy.render import RenderOptions
+from stepdeploy.rollout import gates, recovery
+from stepdeploy.rollout.attempt import (
+    Live,
+    executor_for,
+    follow,
+    metric_rows,
+    metric_time,
+    read_metrics,
+    render_attempt,
+)
+from stepdeploy.rollout.clock import REAL, Clock
+from stepdeploy.rollout.config import RolloutConfig, StageFailed
+from stepdeploy.rollout.inject import FaultActions
+from stepdeploy.rollout.ladder import Rung
+
+Executors = Callable[[Cluster, Path], Executor]  # (cluster, a rendered run's local directory) -> its executor
+
+
+class UndeclaredGate(AssertionError):
+    """A stage recorded a gate its plan does not list: `rollout run --dry-run` would not show what runs."""
+
+
+class GateFailed(StageFailed):
+    """A gate of an attempt failed (its verdict is in the ledger)."""
+
+    def __init__(self, message: str, verdict: gates.GateVerdict) -> None:
+        super().__init__(message)
+        self.verdict = verdict
+
+
+class AttemptService:
+    def __init__(self, run_dir: Path, ledger: Ledger, run_id: str, config: RolloutConfig, cluster: Cluster, *,
+                 on_tick: Callable[[Live], None] = lambda _live: None, clock: Clock = REAL,
+                 executors: Executors | None = None, faults: FaultActions | None = None) -> None:
+        """`clock`: time and sleep (a test's jumps); `executors`: the executor of a rendered run (default: the one
+        its manifest names); `faults`: how the soak's link-down and node-loss act (None: on real nodes)."""
+        self.run_dir, self.ledger, self.run_id, self.config = run_dir, ledger, run_id, config
+        self.cluster, self.on_tick, self.clock, self.faults = cluster, on_tick, clock, faults
+        self.live = Live()
+        self._executors = executors
+
+    # --- reaching a run -------------------------------------------------------------------------------------
+    def executor(self, local: Path) -> Executor:
+        """The executor of the run rendered in `local` (a context manager)."""
+        return (self._executors or executor_for)(self.cluster, local)
+
+    def stop_requested(self) -> bool:
+        return (self.run_dir / "STOP").exists()
+
+    def event(self, stage: str, kind: str, message: str, data: dict[str, Any] | None = None, *,
+              rung: str | None = None) -> None:
+        self.ledger.event(self.run_id, kind, message, stage=stage, rung=rung, data=data)
+
+    @contextmanager
+    def finishes(self, attempt: int) -> Iterator[None]:
+        """An error that ends the block leaves the attempt failed with it, never `running` (a controller killed
+        outright leaves it running on purpose: `rollout resume` re-attaches to its processes)."""
+        try:
+            yield
+        except Exception as exc:
+            if any(a["id"] == attempt and a["status"] == "running" for a in self.ledger.attempts(self.run_id)):
+                why = exc.message if isinstance(exc, StepdeployError) else f"{type(exc).__name__}: {exc}"
+                self.ledger.finish_attempt(attempt, "failed", {"why": why})
+            raise
+
+    # --- render -----------------------------------------------------------------------------------------------
+    def render_options(self, stage: str, rung: Rung, iterations: int, run_id: str,
+                       schedule: tuple[int, int] | None = None, save_interval: int = 0) -> RenderOptions:
+        """`schedule`: (warmup, decay) iterations of the learning rate (the soak's, from its expected length);
+        `save_interval`: checkpoint every N iterations (the soak's; 0: only at the end)."""
+        warmup, decay = schedule or (None, None)
+        return RenderOptions(run_id=run_id, stage=stage, iterations=iterations, nproc_per_node=rung.nproc_per_node,
+                             pg_timeout_s=self.config.pg_timeout_s, seq_length=self.config.seq_length,
+                             global_batch_size=self.config.global_batch_size, save_interval=save_interval,
+                             keep_checkpoints=self.config.keep_checkpoints,
+                             executor=self.config.executor,  # None: the inventory's stepdeploy_executor
+                             data=self.config.data, warmup_iterations=warmup, decay_iterations=decay)
+
+    def render(self, rung: Rung, opts: RenderOptions, local: Path) -> dict[str, Any]:
+        """Write the rung's run directory to `local` (the target's with the configured layout, a proxy's with
+        the planner's best); returns the planner's summary for its layout."""
+        layout = self.config.layout if rung.model == self.config.model else None
+        return render_attempt(self.cluster, rung, opts, layout, local)
+
+    # --- launch and follow ------------------------------------------------------------------------------------
+    def launch(self, executor: Executor, local: Path, where: str, label: str) -> None:
+        """Upload and start the run; an attempt marker goes into the run's logs before the start, so that its
+        diagnosis reads its own lines only. A launch refused by a node raises StageFailed naming it (a full
+        disk as such)."""
+        bad = [r for r in executor.prepare(local) if not r.ok]
+        if not bad:
+            executor.run_command(recovery.marker_command(label, self.clock.time()))  # best effort: see above
+            bad = [r for r in executor.start() if not r.ok]
+        if bad:
+            raise StageFailed(recovery.launch_failure(executor, where, bad))
+
+    def follow(self, executor: Executor, stage: str, rung: Rung, total: int | None, deadline: float, *,
+               check: Callable[[RunStatus], str | None] | None = None) -> tuple[RunStatus, str]:
+        """Follow the run on the live view until it ends, `deadline` passes, a stop is requested or `check`
+        (seeing every poll) says why to end; a run still running then is stopped, and so is one whose
+        following raised (nothing is left running behind an attempt that ends with an error)."""
+        self.live = Live(stage=stage, rung=rung.name, total=total, started=self.clock.time(), deadline=deadline)
+        try:
+            status, why = follow(executor, self.live, deadline=deadline, interval=self.config.poll_interval_s,
+                                 should_stop=self.stop_requested, on_tick=self.on_tick, check=check, clock=self.clock)
+        except Exception:
+            executor.stop()
+            raise
+        if status.running:
+            executor.stop()
+        return status, why
+
+    # --- collect and record -----------------------------------------------------------------------------------
+    def collect(self, executor: Executor, local: Path, attempt: int, since: float = 0.0) -> list[dict[str, Any]]:
+        """Fetch the run's files; metrics lines written since `since` go to the ledger (a restarted soak
+        appends to the same metrics file, so earlier attempts' lines are not counted twice)."""
+        fetched = local / "fetched"
+        executor.fetch(fetched)
+        metrics = [m for m in read_metrics(fetched) if metric_time(m) >= since]
+        if metrics:
+            self.ledger.add_metrics(self.run_id, attempt, metric_rows(metrics, METRIC_NAMES))
+        return metrics
+
+    def judge(self, stage: str, rung: str, verdicts: list[gates.GateVerdict], declared: Collection[str]) -> None:
+        """Write the verdicts; each must be a gate the stage's plan declares (`declared`: what `rollout run
+        --dry-run` lists for it), else UndeclaredGate before anything is written."""
+        undeclared = [v.gate for v in verdicts if v.gate not in declared]
+        if undeclared:
+            raise UndeclaredGate(f"{stage}/{rung}: gate(s) {', '.join(undeclared)} not in the stage's plan "
+                                 f"({', '.join(declared)})")
+        for v in verdicts:
+            self.ledger.verdict(self.run_id, stage, rung, v.gate, v.passed, v.measured, v.threshold, v.reason)
+
+    def record(self, stage: str, rung: Rung, attempt: int, verdicts: list[gates.GateVerdict],
+               metrics: list[dict[str, Any]], declared: Collection[str]) -> None:
+        """The verdicts, then the attempt's end: passed, or failed with GateFailed naming the first failed gate."""
+        self.judge(stage, rung.name, verdicts, declared)
+        failed = [v for v in verdicts if not v.passed]
+        last = metrics[-1] if metrics else {}
+        self.ledger.finish_attempt(attempt, "failed" if failed else "passed",
+                                   {"iterations": last.get("iteration"), "final_loss": last.get("loss"),
+                                    "tokens_per_gpu": gates.throughput_per_gpu(metrics, rung.world)})
+        if failed:
+            raise GateFailed(f"{stage}/{rung.name}: gate {failed[0].gate} failed: {failed[0].reason}", failed[0])
