@@ -10,6 +10,7 @@ from functools import cache
 from typing import Any, ClassVar, Literal
 
 from stepdeploy.errors import BadInput, StepdeployError
+from stepdeploy.inventory.model import ExecutorKind
 from stepdeploy.rollout import gates
 from stepdeploy.rollout.stages import STAGES
 
@@ -48,7 +49,7 @@ class RolloutConfig:
     poll_interval_s: float = 2.0
     seq_length: int | None = None
     global_batch_size: int | None = None
-    executor: Literal["fabric", "slurm", "local"] | None = None  # None: remote/registry.py's default_kind
+    executor: ExecutorKind | None = None  # None: remote/registry.py's default_kind
     inject: tuple[str, ...] = ()  # soak fault injections, e.g. "kill:rank=last@10m" (rollout/inject.py)
     monitor_interval_s: float = 5.0  # soak: the monitors' collection period
     heartbeat_timeout_s: float = 180.0  # soak: a running rank without a heartbeat this long is hung
