@@ -91,7 +91,12 @@ class Saver:
         """After the first step (the optimizer's state exists then), on GPUs: the host memory the save copies the
         tensors into, page-locked in the background (SaveSetup.pin)."""
         if self.setup is not None and torch.cuda.is_available():
-            self.setup.pin(host_copy_sizes(model, optimizer))
+            try:
+                sizes = host_copy_sizes(model, optimizer)
+            except Exception as exc:  # only a head start: the first save then page-locks its own memory
+                log(self.rank, f"checkpoint set-up (host_memory) skipped: {exc!r}")
+                return
+            self.setup.pin(sizes)
 
     def poll(self, blocking: bool = False) -> bool:
         """Every rank, after every step: commit the save in flight once every rank's write ended (one small
