@@ -90,6 +90,11 @@ class Saver:
     def prepare_host_memory(self, model: Any, optimizer: Any) -> None:
         """After the first step (the optimizer's state exists then), on GPUs: the host memory the save copies the
         tensors into, page-locked in the background (SaveSetup.pin)."""
+        # Off unless STEPDEPLOY_CKPT_PIN_AHEAD=1: on the H200 (2026-12-01) page-locking the 9.63 GiB in a thread
+        # stalled the step loop as long (step 2: 7.67 s against 0.63 s; cudaHostAlloc holds the driver while it
+        # pins), so it only moved the first save's stall into a step (docs/benchmarks.md).
+        if os.environ.get("STEPDEPLOY_CKPT_PIN_AHEAD", "0") != "1":
+            return
         if self.setup is not None and torch.cuda.is_available():
             try:
                 sizes = host_copy_sizes(model, optimizer)
