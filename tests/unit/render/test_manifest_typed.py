@@ -19,17 +19,7 @@ from stepdeploy.render.manifest import Manifest
 from stepdeploy.rollout.attempt import render_attempt
 from stepdeploy.rollout.ladder import Rung
 
-INI = """[sim]
-node1 ansible_host=10.83.0.11
-node2 ansible_host=10.83.0.12
-
-[sim:vars]
-ansible_user=root
-stepdeploy_gpus_per_node=0
-stepdeploy_profile=sim-cpu
-stepdeploy_train_iface=eth0
-stepdeploy_fabric=ethernet
-"""
+from .test_render_cli import SIM_INI as INI
 
 
 def inventory(tmp_path: Path, extra: str = "") -> Path:
