@@ -143,8 +143,11 @@ def test_warmup_and_soak_as_slurm_jobs_and_a_killed_rank_is_resubmitted(cluster:
     remote = _remote_dir(run, "soak-target")
     log = _on(cluster, 1, f"cat {remote}/logs/0-node1.log")
     assert "resumed from checkpoint" in log, log[-2000:]
-    slurm_err = _on(cluster, 1, f"cat {remote}/logs/slurm-{ids[1]}.err")  # Slurm's own output, on the batch host
-    assert re.search(r"srun: error: node2: task 1: Exited with exit code \d+", slurm_err), slurm_err
+    # Slurm's own output, on the batch host: srun names the first task that ended badly, which ended the step
+    # (--kill-on-bad-exit). Which task that is, is a race Slurm decides: node2's torchrun reporting its killed
+    # worker, or node1's rank 0 failing on the lost peer first. Who was killed is judged above, from the ledger.
+    slurm_err = _on(cluster, 1, f"cat {remote}/logs/slurm-{ids[1]}.err")
+    assert re.search(r"srun: error: node[12]: task [01]: Exited with exit code [1-9]\d*", slurm_err), slurm_err
     assert _jobs(cluster) == ""
     assert _left_on_nodes(cluster, "sl-soak") == {"node1": "", "node2": ""}
 
