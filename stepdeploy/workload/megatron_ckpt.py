@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
+import ckpt_read
 import torch
 import torch.distributed as dist
 from metrics import log
@@ -351,13 +352,15 @@ def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[st
     clock.lap("optimizer_state")
     state = sharded_state(model, optimizer, is_loading=True, metadata=dict(metadata))
     clock.lap("state_dict")
-    loaded = dist_checkpointing.load(state, str(where))
+    threads = ckpt_read.read_threads()
+    with ckpt_read.parallel_reads(threads):
+        loaded = dist_checkpointing.load(state, str(where))
     clock.lap("read")
     model.module.load_state_dict(loaded["model"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     restore_adam_steps(optimizer, loaded["optimizer"])
     clock.lap("apply")
-    log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, "
+    log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, read by {threads} thread(s), "
               f"{metadata.get('distrib_optim_sharding_type', 'no distributed optimizer')})")
     return iteration
 

@@ -1,0 +1,126 @@
+"""Reading a checkpoint with several threads: torch.distributed.checkpoint's FileSystemReader, whose read_data
+goes through the items one at a time (per item: read the bytes, torch.load them on the CPU, copy them into the
+target tensor). On an H200 the dense proxy's 10 GiB restart read took 10.2 s that way, from memory (tmpfs): the
+time is the CPU's, one core's (docs/benchmarks.md). ParallelReader spreads the items over threads: the file reads
+and the device copies release the GIL. The planner's calls (resolve_tensor, copy, commit_tensor, load_bytes) stay
+one at a time, in a lock, as torch's reader makes them: megatron-core's planner keeps a resolved tensor between
+resolve_tensor and commit_tensor. Standard library + torch only (shipped as a file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+
+def read_threads() -> int:
+    """STEPDEPLOY_CKPT_READ_THREADS (1: torch's own reader); default: 8, at most the CPUs this process may use."""
+    value = os.environ.get("STEPDEPLOY_CKPT_READ_THREADS")
+    if value:
+        return max(1, int(value))
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+class ParallelReader(FileSystemReader):
+    """FileSystemReader with read_data spread over `threads` threads (1: torch's, unchanged)."""
+
+    def __init__(self, path: str | os.PathLike[str], threads: int) -> None:
+        super().__init__(path)
+        self.threads = threads
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        return read_data(self, plan, planner, self.threads)
+
+
+@contextlib.contextmanager
+def parallel_reads(threads: int) -> Iterator[None]:
+    """megatron-core's torch_dist loads inside this block read with `threads` threads: the reader megatron-core
+    makes (torch's FileSystemReader, or its metadata-caching subclass) gets read_data() of this module; another
+    kind (its multi-storage client) is left as it is. 1: nothing changes."""
+    from megatron.core.dist_checkpointing.strategies import torch as strategy
+
+    make = strategy._get_filesystem_reader  # 0.16 and 0.19: the one place its load strategy makes its reader
+    if threads <= 1:
+        yield
+        return
+
+    def parallel(*args: Any, **kwargs: Any) -> Any:
+        reader = make(*args, **kwargs)
+        if isinstance(reader, FileSystemReader) and type(reader).read_data is FileSystemReader.read_data:
+            reader.read_data = functools.partial(read_data, reader, threads=threads)  # type: ignore[method-assign]
+        return reader
+
+    strategy._get_filesystem_reader = parallel
+    try:
+        yield
+    finally:
+        strategy._get_filesystem_reader = make
+
+
+def read_data(reader: FileSystemReader, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future[None]:
+    """What FileSystemReader.read_data does, over `threads` threads."""
+    infos = [reader.storage_data[item.storage_index] for item in plan.items]
+    if threads <= 1 or any(getattr(info, "transform_descriptors", None) for info in infos):
+        return FileSystemReader.read_data(reader, plan, planner)  # transformed (compressed) items: torch's path
+    order = sorted(range(len(infos)), key=lambda i: (infos[i].relative_path, infos[i].offset))
+    lock = threading.Lock()
+
+    def read(part: list[int]) -> None:
+        streams: dict[str, Any] = {}
+        try:
+            for i in part:
+                item, info = plan.items[i], infos[i]
+                stream = streams.get(info.relative_path)
+                if stream is None:
+                    stream = streams[info.relative_path] = open(  # noqa: SIM115 (closed below)
+                        reader.fs.concat_path(reader.path, info.relative_path), "rb")
+                stream.seek(info.offset)
+                data = io.BytesIO(stream.read(info.length))
+                if item.type == LoadItemType.BYTE_IO:
+                    with lock:
+                        planner.load_bytes(item, data)
+                    continue
+                tensor = torch.load(data, map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                with lock:
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != tensor.size():
+                        raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs "
+                                             f"{tensor.size()}")
+                    target.copy_(tensor)
+                    planner.commit_tensor(item, target)
+        finally:
+            for stream in streams.values():
+                stream.close()
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-read") as pool:
+        for done in [pool.submit(read, part) for part in _split(order, infos, threads)]:
+            done.result()  # the first error, raised here
+    result: Future[None] = Future()
+    result.set_result(None)
+    return result
+
+
+def _split(order: list[int], infos: list[Any], parts: int) -> list[list[int]]:
+    """`order` (items sorted by file and offset) cut into at most `parts` runs of about equal bytes."""
+    total = sum(infos[i].length for i in order) or 1
+    runs: list[list[int]] = [[]]
+    done = 0
+    for i in order:
+        if runs[-1] and done >= total * len(runs) / parts and len(runs) < parts:
+            runs.append([])
+        runs[-1].append(i)
+        done += infos[i].length
+    return runs
