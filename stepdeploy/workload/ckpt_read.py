@@ -2,9 +2,10 @@
 goes through the items one at a time (per item: read the bytes, torch.load them on the CPU, copy them into the
 target tensor). On an H200 the dense proxy's 10 GiB restart read took 10.2 s that way, from memory (tmpfs): the
 time is the CPU's, one core's (docs/benchmarks.md). ParallelReader spreads the items over threads: the file reads
-and the device copies release the GIL. The planner's calls (resolve_tensor, copy, commit_tensor, load_bytes) stay
-one at a time, in a lock, as torch's reader makes them: megatron-core's planner keeps a resolved tensor between
-resolve_tensor and commit_tensor. Standard library + torch only (shipped as a file).
+and the device copies release the GIL. The planner's calls (resolve_tensor, commit_tensor, load_bytes) stay one at a
+time, in a lock; the copy into the target runs outside it unless megatron-core's planner kept a tensor between
+resolve_tensor and commit_tensor (its FP8 destinations), then it stays inside. Standard library + torch only
+(shipped as a file).
 """
 
 from __future__ import annotations
@@ -99,7 +100,12 @@ def read_data(reader: FileSystemReader, plan: LoadPlan, planner: LoadPlanner, th
                     if target.size() != tensor.size():
                         raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs "
                                              f"{tensor.size()}")
-                    target.copy_(tensor)
+                    if _stashed(planner):  # a tensor kept until commit_tensor: nothing in between
+                        target.copy_(tensor)
+                        planner.commit_tensor(item, target)
+                        continue
+                target.copy_(tensor)  # the device copy (GIL released) beside the other threads' reads
+                with lock:
                     planner.commit_tensor(item, target)
         finally:
             for stream in streams.values():
@@ -111,6 +117,13 @@ def read_data(reader: FileSystemReader, plan: LoadPlan, planner: LoadPlanner, th
     result: Future[None] = Future()
     result.set_result(None)
     return result
+
+
+def _stashed(planner: LoadPlanner) -> bool:
+    """Whether megatron-core's planner kept something between resolve_tensor and commit_tensor (its FP8 and
+    quantized destinations: 0.16 `_intermediate_read_item_and_target`, 0.19 `_intermediate_read_items`)."""
+    return bool(getattr(planner, "_intermediate_read_item_and_target", None)
+                or getattr(planner, "_intermediate_read_items", None))
 
 
 def _split(order: list[int], infos: list[Any], parts: int) -> list[list[int]]:

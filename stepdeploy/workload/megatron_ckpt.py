@@ -91,10 +91,7 @@ class Saver:
     def prepare_host_memory(self, model: Any, optimizer: Any) -> None:
         """After the first step (the optimizer's state exists then), on GPUs: the host memory the save copies the
         tensors into, page-locked in the background (SaveSetup.pin)."""
-        # Off unless STEPDEPLOY_CKPT_PIN_AHEAD=1: on the H200 (2026-12-01) page-locking the 9.63 GiB in a thread
-        # stalled the step loop as long (step 2: 7.67 s against 0.63 s; cudaHostAlloc holds the driver while it
-        # pins), so it only moved the first save's stall into a step (docs/benchmarks.md).
-        if os.environ.get("STEPDEPLOY_CKPT_PIN_AHEAD", "0") != "1":
+        if not pin_ahead():
             return
         if self.setup is not None and torch.cuda.is_available():
             try:
@@ -225,6 +222,20 @@ class SaveSetup:
         thread = threading.Thread(target=run, name=f"checkpoint-setup-{part}", daemon=True)
         thread.start()
         self.threads.append(thread)
+
+
+def pin_ahead() -> bool:
+    """Whether to page-lock the save's host memory ahead: STEPDEPLOY_CKPT_PIN_AHEAD=1/0, else only where torch's
+    host allocator pins with cudaHostRegister (PYTORCH_CUDA_ALLOC_CONF pinned_use_cuda_host_register:True, as
+    stepdeploy renders it for GPU nodes). With cudaHostAlloc, on an H200 (2026-12-01), page-locking the 9.63 GiB
+    in a thread stalled the step loop as long as the save would have (step 2: 7.67 s against 0.63 s): it only
+    moved the first save's stall into a step. With cudaHostRegister and 8 threads mapping the pages, a GPU loop
+    beside such a thread ran 15 % slower for 0.6 s (docs/benchmarks.md)."""
+    chosen = os.environ.get("STEPDEPLOY_CKPT_PIN_AHEAD")
+    if chosen is not None:
+        return chosen == "1"
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "")
+    return "pinned_use_cuda_host_register:True" in conf.split(",")
 
 
 def write_results_queue() -> Any:
