@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from stepdeploy.catalog import load_hardware, load_model
+from stepdeploy.cli.app import main
 from stepdeploy.inventory import load_cluster
 from stepdeploy.plan import steptime
 from stepdeploy.plan.cluster import shape_from_cluster
@@ -23,6 +24,16 @@ GIB = 2**30
 RECORDS = [json.loads(line) for line in (FIXTURES / "h200-optimizer.jsonl").read_text().splitlines() if line]
 IDS = [record["layout"] for record in RECORDS]
 OFFLOAD = next(record for record in RECORDS if "offload=on" in record["layout"])
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    """`stepdeploy plan` through the console-script entry point; the JSON document when --json is given."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *args])
+    assert not exit_info.value.code
+    if "--json" not in args:
+        return {}
+    return json.loads(capsys.readouterr().out)
 
 
 def _verdict(layout: str, gpus: int = 1, model: str = "proxy-0.7b-dense") -> Verdict:
@@ -69,3 +80,20 @@ def test_the_fused_adamw_is_assumed_to_step_as_fast_as_the_foreach_one_until_mea
     foreach, fused = _verdict("mbs=4").time, _verdict("mbs=4,optimizer=fused").time
     assert foreach is not None and fused is not None
     assert fused.optimizer == foreach.optimizer and fused.seconds == foreach.seconds
+
+
+@pytest.mark.parametrize(("layout", "implementation", "device", "summary"), [
+    ("mbs=4", "foreach", "gpu", "torch AdamW, foreach kernels, on the GPU"),
+    ("mbs=4,optimizer=fused", "fused", "gpu", "torch AdamW, fused kernel, on the GPU"),
+    # megatron-core's HybridDeviceOptimizer builds torch's AdamW with fused=True on the host, whatever optimizer= says
+    ("mbs=4,offload=on,precision_aware_optimizer=on", "fused", "host",
+     "torch AdamW, fused kernel, on the host (megatron-core HybridDeviceOptimizer, optimizer CPU offload)"),
+])
+def test_the_plan_says_which_optimizer_it_assumed(capsys: pytest.CaptureFixture[str], layout: str,
+                                                  implementation: str, device: str, summary: str) -> None:
+    cluster = ("-m", "proxy-0.7b-dense", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "H200", "--layout", layout)
+    assert _plan(capsys, *cluster, "--json")["layout"]["optimizer_assumed"] == {
+        "implementation": implementation, "device": device, "summary": summary}
+    _plan(capsys, *cluster)
+    assert f"s, assuming {summary}\n" in capsys.readouterr().out
+
