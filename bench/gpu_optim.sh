@@ -33,8 +33,11 @@ if [ "${1:-}" = --summarize ]; then
     exit
 fi
 
-wheels=${2:?usage: OUT=DIR bash bench/gpu_optim.sh DEBS WHEELS}
-out=${OUT:?set OUT}
+if [ "$#" -ne 2 ] || [ -z "${OUT:-}" ]; then
+    echo "error: usage: OUT=DIR bash bench/gpu_optim.sh DEBS WHEELS, or bash bench/gpu_optim.sh --summarize DIR" >&2
+    exit 2
+fi
+wheels=$2 out=$OUT
 umask 077
 # shellcheck source=bench/gpu_box.sh
 source bench/gpu_box.sh
@@ -57,7 +60,7 @@ for entry in "${layouts[@]}"; do
         timeout 150 "$python" -m stepdeploy run launch "$run" --executor local --follow > "$keep/launch-$name.log" \
             2>&1 || rc=$?
         "$python" -m stepdeploy run fetch "$run" --executor local > /dev/null 2>&1 || true
-        find "$run" -name metrics.jsonl -path '*fetched*' -exec cp {} "$keep/metrics-$name.jsonl" \;
+        find "$run" -name metrics.jsonl -path '*fetched*' -exec cp {} "$keep/metrics-$name.jsonl" \; || true
     fi
     echo "exit $rc after $((SECONDS - started)) s" >> "$keep/launch-$name.log"
     tail -n 1 "$keep/launch-$name.log"
