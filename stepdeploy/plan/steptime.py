@@ -23,25 +23,27 @@ GB = 1e9
 # Optimizer CPU offload as the engine builds it (stepdeploy/workload/model_chunks.py): megatron-core's
 # HybridDeviceOptimizer, offload fraction 1, precision-aware optimizer, overlap_cpu_optimizer_d2h_h2d off. It holds
 # the distributed optimizer's shard (the parameters a rank owns), and per owned parameter and step moves, one part
-# after the other on the current stream (read from megatron-core 0.16.1's cpu_offloading/hybrid_optimizer.py):
-#   1. over PCIe, GPU to host: the fp32 gradient shard into pinned buffers, 4 B;
-#   2. on the host: torch.optim.AdamW(fused=True) over fp32 master, gradient, m and v (reads 16 B, writes 12 B),
-#      then the copy of the fp32 master into the bf16 GPU parameter, which torch converts on the host side
-#      (reads 4 B, writes 2 B): 34 B of host memory traffic;
-#   3. over PCIe, host to GPU: the bf16 parameter, 2 B.
-OFFLOAD_PCIE_BYTES = 4 + 2
+# after the other on the current stream (megatron-core 0.16.1's cpu_offloading/hybrid_optimizer.py, torch's
+# Copy.cu):
+#   1. over PCIe, GPU to host: the fp32 gradient shard into pinned host buffers, 4 B;
+#   2. on the host: torch.optim.AdamW(fused=True) over the fp32 master, gradient, m and v: reads 16 B, writes 12 B;
+#   3. over PCIe, host to GPU: the fp32 master (pageable host memory: the fp32 copy of the pinned bf16 one is not
+#      pinned), 4 B; a non-blocking copy_ into the bf16 parameter converts on the GPU, after the copy.
+OFFLOAD_PCIE_BYTES = 4 + 4
 OFFLOAD_PCIE_GBPS = 50.0  # assumed: PCIe Gen5 x16 (64 GB/s a direction) as copies achieve it
-OFFLOAD_HOST_ADAM_BYTES = 28 + 6
+OFFLOAD_HOST_ADAM_BYTES = 16 + 12
 # Host rate of step 2, per GPU. Measured on one H200 (nvidia-h200: the GPU with 16 CPU cores, as the 8-GPU kind
 # has 128; torch 2.11.0+cu130, megatron-core 0.19.2), 2026-12-01, docs/benchmarks.md "Optimizer offload (issue
 # 22)": the dense proxy (738,248,704 parameters, all owned) with mbs=4,offload=on,precision_aware_optimizer=on took
-# 1.186 s a step, its optimizer phase 0.579 s. Less the PCIe copies (738.2M x 6 B / 50 GB/s = 0.089 s; the GPU's
-# gradient clipping, a few ms, stays in) the host took 0.490 s for 738.2M x 34 B: 51 GB/s. The planner assumed
-# 25 GB/s before ("a GPU's share of ~200 GB/s over 8 GPUs", with 32 B): its step was 1.65 s, 39 % over the
-# measured, while the rest of the step was within 2 % of it (0.62 s against 0.607 s). Not measured: more than one
-# rank on a host (their AdamW threads and memory traffic share the host; torchrun gives each rank one OpenMP
-# thread unless OMP_NUM_THREADS is set), and hosts of other CPUs.
-OFFLOAD_HOST_GBPS_PER_GPU = 51.0
+# 1.186 s a step, its optimizer phase 0.579 s. Less the PCIe copies (738.2M x 8 B / 50 GB/s = 0.118 s; the GPU's
+# gradient clipping, a few ms, stays in) the host took 0.461 s for 738.2M x 28 B: 45 GB/s. (Both parts scale with
+# the owned parameters: how the 0.579 s splits between them, e.g. a pageable copy slower than 50 GB/s, changes no
+# prediction on this kind of host.) The planner assumed 25 GB/s before ("a GPU's share of ~200 GB/s over 8 GPUs",
+# with 32 B, and 6 B over PCIe): its step was 1.65 s, 39 % over the measured, while the rest of the step was
+# within 2 % of it (0.62 s against 0.607 s). Not measured: more than one rank on a host (their AdamW threads and
+# memory traffic share the host; torchrun gives each rank one OpenMP thread unless OMP_NUM_THREADS is set), and
+# hosts of other CPUs.
+OFFLOAD_HOST_GBPS_PER_GPU = 45.0
 
 # Host time (Python + kernel launches) of one micro-batch, forward + backward, per decoder layer.
 # Fitted on H200, megatron-core 0.19.2 local spec + SDPA, together with the efficiencies in hardware.yaml, to
