@@ -11,18 +11,13 @@ set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
 umask 077
-mkdir -p /opt/stepdeploy
-[ -e /opt/stepdeploy/venv ] || ln -s "$(python3 -c 'import sys; print(sys.prefix)')" /opt/stepdeploy/venv
-/opt/stepdeploy/venv/bin/python -m pip install -q --no-index --no-deps --no-cache-dir "$wheels"/megatron_core-*.whl
-mkdir -p /dev/shm/stepdeploy-runs /var/lib/stepdeploy
-[ -e /var/lib/stepdeploy/runs ] || ln -s /dev/shm/stepdeploy-runs /var/lib/stepdeploy/runs
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=bench/gpu_box.sh
+source bench/gpu_box.sh
+gpu_box_setup "$wheels"
 keep=/tmp/local-out
 mkdir -p "$keep"
 inv=/tmp/box.ini
-printf '%s\n' '[gpu]' 'h200 ansible_host=127.0.0.1 ansible_connection=local' '' '[gpu:vars]' \
-    'stepdeploy_gpus_per_node=1' 'stepdeploy_gpu_model=H200' 'stepdeploy_fabric=ethernet' > "$inv"
+gpu_box_inventory "$inv"
 
 steps=" ${STEPS:-preflight rollout offload} "
 if [[ $steps == *" preflight "* ]]; then

@@ -86,6 +86,8 @@ def _print_layout_verdict(result_job: Job, verdict: Any, cluster: ClusterShape) 
         f"{time.tokens_per_second:,.0f} tokens/s (DP={result_job.dp(verdict.layout)})",
         markup=False,
     )
+    out.print(f"optimizer step {time.optimizer:.3f} s, assuming {report.optimizer_assumed(verdict.layout)['summary']}",
+              markup=False)
 
 
 def _print_result(result: PlanResult, top: int) -> None:

@@ -11,7 +11,7 @@ from rich.table import Table
 from stepdeploy.catalog import GIB
 from stepdeploy.plan import engines
 from stepdeploy.plan.constraints import RULES
-from stepdeploy.plan.layout import stage_layer_counts
+from stepdeploy.plan.layout import Layout, stage_layer_counts
 from stepdeploy.plan.memory import COMPONENTS, MemoryEstimate
 from stepdeploy.plan.params import LayerParams, ParamCount
 from stepdeploy.plan.search import PlanResult, Verdict
@@ -31,10 +31,26 @@ def billions(value: float) -> str:
     return f"{value / 1e9:.3f}B"
 
 
+def adam_implementation(layout: Layout) -> str:
+    """The AdamW kernels the plan's memory and time assume: under optimizer CPU offload megatron-core's
+    HybridDeviceOptimizer steps torch's AdamW with fused=True on the host whatever `optimizer` says."""
+    return "fused" if layout.optimizer_cpu_offload else layout.optimizer
+
+
+def optimizer_assumed(layout: Layout) -> dict[str, str]:
+    """What `plan` says it assumed of the optimizer (issue 22), in --json and under the step time."""
+    implementation = adam_implementation(layout)
+    kernels = {"foreach": "foreach kernels", "fused": "fused kernel"}[implementation]
+    offload = layout.optimizer_cpu_offload
+    where = "on the host (megatron-core HybridDeviceOptimizer, optimizer CPU offload)" if offload else "on the GPU"
+    return {"implementation": implementation, "device": "host" if offload else "gpu",
+            "summary": f"torch AdamW, {kernels}, {where}"}
+
+
 def _knobs(verdict: Verdict) -> str:
     layout = verdict.layout
     extra = ["offload"] if layout.optimizer_cpu_offload else []
-    extra += [f"{layout.optimizer}-adam"]
+    extra += [f"{adam_implementation(layout)}-adam"]
     extra += [] if layout.distributed_optimizer else ["no-dist-opt"]
     return " ".join([layout.recompute, *extra])
 
@@ -183,6 +199,7 @@ def verdict_dict(verdict: Verdict, result_job: Any) -> dict[str, Any]:
         "fits": verdict.fits,
         "reason": verdict.reason(),
         "violations": [v.__dict__ for v in verdict.violations],
+        "optimizer_assumed": optimizer_assumed(lay),
     }
     if verdict.memory:
         data["memory_bytes"] = {

@@ -20,11 +20,30 @@ from stepdeploy.plan.params import ParamCount
 from stepdeploy.plan.stages import Stage, stage_params, stages
 
 GB = 1e9
-OFFLOAD_PCIE_GBPS = 50.0  # assumed: host <-> GPU copies of gradients and parameters under CPU offload
-# assumed: torch's fused AdamW on the host (HybridDeviceOptimizer) moves ~32 B per parameter it owns (fp32 grad,
-# master, m, v read; master, m, v written) at a GPU's share of host memory bandwidth (8 GPUs on ~200 GB/s)
-OFFLOAD_HOST_ADAM_BYTES = 32
-OFFLOAD_HOST_GBPS_PER_GPU = 25.0
+# Optimizer CPU offload as the engine builds it (stepdeploy/workload/model_chunks.py): megatron-core's
+# HybridDeviceOptimizer, offload fraction 1, precision-aware optimizer, overlap_cpu_optimizer_d2h_h2d off. It holds
+# the distributed optimizer's shard (the parameters a rank owns), and per owned parameter and step moves, one part
+# after the other on the current stream (megatron-core 0.16.1's cpu_offloading/hybrid_optimizer.py, torch's
+# Copy.cu):
+#   1. over PCIe, GPU to host: the fp32 gradient shard into pinned host buffers, 4 B;
+#   2. on the host: torch.optim.AdamW(fused=True) over the fp32 master, gradient, m and v: reads 16 B, writes 12 B;
+#   3. over PCIe, host to GPU: the fp32 master (pageable host memory: the fp32 copy of the pinned bf16 one is not
+#      pinned), 4 B; a non-blocking copy_ into the bf16 parameter converts on the GPU, after the copy.
+OFFLOAD_PCIE_BYTES = 4 + 4
+OFFLOAD_PCIE_GBPS = 50.0  # assumed: PCIe Gen5 x16 (64 GB/s a direction) as copies achieve it
+OFFLOAD_HOST_ADAM_BYTES = 16 + 12
+# Host rate of step 2, per GPU. Measured on one H200 (nvidia-h200: the GPU with 16 CPU cores, as the 8-GPU kind
+# has 128; torch 2.11.0+cu130, megatron-core 0.19.2), 2026-12-01, docs/benchmarks.md "Optimizer offload (issue
+# 22)": the dense proxy (738,248,704 parameters, all owned) with mbs=4,offload=on,precision_aware_optimizer=on took
+# 1.186 s a step, its optimizer phase 0.579 s. Less the PCIe copies (738.2M x 8 B / 50 GB/s = 0.118 s; the GPU's
+# gradient clipping, a few ms, stays in) the host took 0.461 s for 738.2M x 28 B: 45 GB/s. (Both parts scale with
+# the owned parameters: how the 0.579 s splits between them, e.g. a pageable copy slower than 50 GB/s, changes no
+# prediction on this kind of host.) The planner assumed 25 GB/s before ("a GPU's share of ~200 GB/s over 8 GPUs",
+# with 32 B, and 6 B over PCIe): its step was 1.65 s, 39 % over the measured, while the rest of the step was
+# within 2 % of it (0.62 s against 0.607 s). Not measured: more than one rank on a host (their AdamW threads and
+# memory traffic share the host; torchrun gives each rank one OpenMP thread unless OMP_NUM_THREADS is set), and
+# hosts of other CPUs.
+OFFLOAD_HOST_GBPS_PER_GPU = 45.0
 
 # Host time (Python + kernel launches) of one micro-batch, forward + backward, per decoder layer.
 # Fitted on H200, megatron-core 0.19.2 local spec + SDPA, together with the efficiencies in hardware.yaml, to
@@ -63,6 +82,10 @@ STEP_HOST_S = 0.014
 # for the MoE proxy (3.56B) and 99 ms for step-3.5-flash-slice-1gpu (3.44B): 25-30 ns per parameter, i.e. about
 # 116 B at 4.3 TB/s (the 2-GPU DP2 runs own half: 47-64 ms MoE, 12-17 ms dense; docs/benchmarks.md).
 OPTIMIZER_STEP_BYTES = 116
+# torch's fused AdamW (Layout.optimizer "fused") has never run on a GPU here: assumed to take what the foreach one
+# does (the clipping, the copy to the bf16 parameters and megatron's bookkeeping stay; one kernel instead of a
+# dozen foreach passes can only be faster), until bench/gpu_optim.sh measures it.
+OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION = {"foreach": OPTIMIZER_STEP_BYTES, "fused": OPTIMIZER_STEP_BYTES}
 
 
 def overlap(gpu: float, host: float) -> float:
@@ -145,10 +168,11 @@ def _optimizer_step(
     held = stage_params(params, stage, layout)
     shards = (job.dp(layout) * layout.cp, job.edp(layout)) if layout.distributed_optimizer else (1, 1)
     owned = held.dense / shards[0] + held.expert / shards[1]
-    if layout.optimizer_cpu_offload:
-        return (held.total * (4 + 2) / (OFFLOAD_PCIE_GBPS * GB)
+    if layout.optimizer_cpu_offload:  # the copies too are the owned shard's (the held weights were counted before)
+        return (owned * OFFLOAD_PCIE_BYTES / (OFFLOAD_PCIE_GBPS * GB)
                 + owned * OFFLOAD_HOST_ADAM_BYTES / (OFFLOAD_HOST_GBPS_PER_GPU * GB))
-    return owned * OPTIMIZER_STEP_BYTES / (cluster.gpu.memory_bandwidth_gbps * GB)
+    step_bytes = OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION[layout.optimizer]
+    return owned * step_bytes / (cluster.gpu.memory_bandwidth_gbps * GB)
 
 
 EXPERT_ROWS_REF = 2048  # rows per expert of the calibration runs: MBS 4 x seq 2048 x top-2 / 8 experts
