@@ -32,6 +32,9 @@ def preflight(
                                      "asks for room for --keep-checkpoints of its checkpoints plus one in flight."),
     keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", min=1, help="With --model: committed "
                                          "checkpoints the run keeps (as `rollout run --keep-checkpoints`)."),
+    layout: str | None = typer.Option(None, "--layout", help="With --model: the layout the run uses (as `render "
+                                      "--layout`, e.g. tp=2,cp=2): every node must have the software it needs "
+                                      "(TransformerEngine for cp>1)."),
     python: str | None = typer.Option(None, "--python", help="The training environment's python on the nodes "
                                                              "(default: /opt/stepdeploy/venv/bin/python, python3)."),
     insecure: bool = insecure_option(),
@@ -49,10 +52,11 @@ def preflight(
     _check_sizes(sizes)
     nodes, declared = _nodes(inventory, local, limit, insecure)
     chosen = get_profile(profile) if profile else declared
+    needs = layout_needs(model, layout)
     need_gib, disk_why = checkpoint_space(model, nodes, keep_checkpoints, min_free_gib)
     opts = runner.Options(local=local, checkpoint_dir=checkpoint_dir, min_free_gib=need_gib, disk_why=disk_why,
                           timeout_s=timeout, bandwidth=bandwidth, sizes=sizes, iters=iters,
-                          python=python or (sys.executable if local else None))
+                          python=python or (sys.executable if local else None), needs=needs)
     result = runner.run(nodes, chosen, opts, progress=info)
     if json_out:
         emit_json(result.to_json())
@@ -76,6 +80,21 @@ def checkpoint_space(model: str | None, nodes: list, keep: int, floor_gib: float
     why = (f"{keep} kept + 1 in flight checkpoints of {model}, {per_node:.3g} GiB each per node by the planner"
            + ("" if need >= floor_gib else f"; --min-free-gib {floor_gib:g} is more"))
     return max(need, floor_gib), why
+
+
+def layout_needs(model: str | None, layout: str | None) -> tuple[str, ...]:
+    """What `layout` of `model` needs on the nodes beyond the stock stack (plan/engines.needs), for preflight's
+    transformer_engine check. BadInput for a layout without its model. Pure."""
+    if layout is None:
+        return ()
+    if model is None:
+        raise BadInput("--layout needs --model: what a layout needs depends on the model",
+                       hint="stepdeploy preflight INVENTORY --model step-3.5-flash --layout tp=2,cp=2")
+    from stepdeploy.catalog import load_model
+    from stepdeploy.plan import engines
+    from stepdeploy.plan.layout import parse_layout
+
+    return tuple(engines.needs(load_model(model), parse_layout(layout)))
 
 
 # what nccl_bench.parse_size reads, at most 16 sizes of at most 8 GiB (each is one tensor on every GPU)

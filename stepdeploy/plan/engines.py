@@ -35,7 +35,9 @@ def context_parallel_requirement(spec: ModelSpec) -> str:
 
 
 def needs(spec: ModelSpec, layout: Layout) -> list[str]:
-    """Software a layout needs beyond the engine's stock packages (the compat check verifies it on the nodes)."""
+    """Software a layout needs beyond the engine's stock packages, each as 'package: why' (the plan's JSON lists
+    them per layout; `stepdeploy preflight --model M --layout L` fails a node whose probe did not find the package,
+    or found it not importable: preflight/host.py check_transformer_engine)."""
     return [f"transformer_engine: {context_parallel_requirement(spec)}"] if layout.cp > 1 else []
 
 

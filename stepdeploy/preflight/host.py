@@ -28,6 +28,7 @@ class Expect:
     min_shm_gib: float = 1.0
     checkpoint_dir: str = "/"
     disk_why: str | None = None  # where min_free_gib comes from
+    needs: tuple[str, ...] = ()  # what the run's layout needs beyond the stock stack (plan/engines.needs)
     extra: dict = field(default_factory=dict)
 
 
@@ -132,6 +133,36 @@ def check_megatron(section: Section, exp: Expect) -> Result:
 def check_flash_attn(section: Section, exp: Expect) -> Result:
     wanted = exp.profile.flash_attn if exp.profile else None
     return _optional_package("flash-attn", python_env(section) or {}, "flash_attn", wanted, "flash_attn")
+
+
+TE_FIX = ("install TransformerEngine into the training environment, built for the node's torch and CUDA "
+          "(pip install --no-build-isolation 'transformer_engine[pytorch]'), or choose a layout with cp=1")
+
+
+def layout_needs(needs: tuple[str, ...], package: str) -> list[str]:
+    """Why the layout needs `package`: plan/engines.needs writes each need as 'package: why'."""
+    return [why.strip() for key, _, why in (n.partition(":") for n in needs) if key.strip() == package]
+
+
+def check_transformer_engine(section: Section, exp: Expect) -> Result:
+    """TransformerEngine against what the run's layout needs (exp.needs): a layout that needs it (context
+    parallelism) fails on a node without it, or where it does not import; otherwise its absence is a fact."""
+    env = python_env(section) or {}
+    found, error = env.get("transformer_engine"), env.get("transformer_engine_error")
+    why = layout_needs(exp.needs, "transformer_engine")
+    if why:
+        wanted = f"installed: the layout needs {'; '.join(why)}"
+        if not found:
+            return fail("transformer_engine", "not installed", wanted, TE_FIX)
+        if error:
+            return fail("transformer_engine", f"{found} installed, import fails: {error}", wanted, TE_FIX)
+        return ok("transformer_engine", f"{found}: the layout's need is met", wanted)
+    if found and error:
+        return warn("transformer_engine", f"{found} installed, import fails: {error}", "importable or not installed",
+                    "reinstall TransformerEngine against the installed torch/CUDA, or uninstall it")
+    if not found:
+        return skip("transformer_engine", "not installed (no layout given needs it: preflight --model M --layout L)")
+    return ok("transformer_engine", found)
 
 
 def nccl_versions(pkg: Section, py: Section) -> tuple[str | None, str | None]:

@@ -16,7 +16,8 @@ from stepdeploy.remote import sections
 MARK = "@@stepdeploy-preflight@@"
 DEFAULT_PYTHONS = ("/opt/stepdeploy/venv/bin/python", "python3")
 
-# What the python section prints: the versions the training stack needs, as one JSON object.
+# What the python section prints: the versions the training stack needs, as one JSON object. A package that is
+# not installed is None (a fact, not an error: TransformerEngine is needed only by layouts that use it).
 PYTHON_ENV = r"""
 import json, platform, sys
 from importlib import metadata
@@ -53,6 +54,10 @@ if out["megatron_core"]:
 out["flash_attn"] = version("flash-attn", "flash_attn", "flash-attn-3", "flash_attn_3", "flash-attn-4")
 if out["flash_attn"]:
     out["flash_attn_error"] = importable("flash_attn") if version("flash-attn", "flash_attn") else None
+out["transformer_engine"] = version("transformer-engine", "transformer_engine", "transformer-engine-torch",
+                                   "transformer_engine_torch")
+if out["transformer_engine"]:
+    out["transformer_engine_error"] = importable("transformer_engine.pytorch")
 print(json.dumps(out))
 """
 

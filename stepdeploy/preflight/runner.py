@@ -38,6 +38,7 @@ class Options:
     iters: int = 20
     master_port: int = 29533
     python: str | None = None  # the training environment's interpreter on the nodes; None: probe's defaults
+    needs: tuple[str, ...] = ()  # what the run's layout needs on every node (plan/engines.needs; cli/preflight.py)
 
 
 def this_machine() -> Node:
@@ -55,7 +56,8 @@ def expect_for(node: Node, profile: StackProfile | None, opts: Options) -> host.
     return host.Expect(gpus=node.gpus_per_node, gpu_model=node.gpu_model, arch=node.arch, fabric=node.fabric,
                        train_iface=node.train_iface, ib_hcas=tuple(node.ib_hcas), profile=profile,
                        min_free_gib=opts.min_free_gib, min_shm_gib=opts.min_shm_gib,
-                       checkpoint_dir=opts.checkpoint_dir, disk_why=opts.disk_why)
+                       checkpoint_dir=opts.checkpoint_dir, disk_why=opts.disk_why,
+                       needs=opts.needs)
 
 
 def node_results(out: NodeOutput, exp: host.Expect, hardware: Hardware) -> list[Result]:
@@ -82,6 +84,7 @@ def node_results(out: NodeOutput, exp: host.Expect, hardware: Hardware) -> list[
         host.check_torch(s("python"), exp),
         host.check_megatron(s("python"), exp),
         host.check_flash_attn(s("python"), exp),
+        host.check_transformer_engine(s("python"), exp),
         host.check_ib(s("ib_ports"), exp),
         host.check_peermem(s("modules"), exp),
         host.check_iface(s("iface"), exp),
@@ -97,7 +100,8 @@ def versions_of(out: NodeOutput) -> dict[str, str | None]:
     env = host.python_env(out.get("python")) or {}
     package, bundled = host.nccl_versions(out.get("nccl_pkg"), out.get("python"))
     versions = {"python": env.get("python"), "torch": env.get("torch"), "libnccl2": package,
-                "torch NCCL": bundled, "megatron-core": env.get("megatron_core"), "flash-attn": env.get("flash_attn")}
+                "torch NCCL": bundled, "megatron-core": env.get("megatron_core"), "flash-attn": env.get("flash_attn"),
+                "transformer-engine": env.get("transformer_engine")}
     if isinstance(inv, gpu.GpuInventory):
         versions |= {"driver": inv.driver, "CUDA (driver)": inv.cuda}
     return versions

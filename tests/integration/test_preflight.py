@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -209,3 +210,35 @@ def test_an_unreachable_node_is_reported_within_the_timeout_and_the_other_still_
     assert ("os", "node2") not in statuses
     assert statuses[("coverage", None)] == "warn"
     assert elapsed < 8 + 15 + 15, f"took {elapsed:.1f} s"
+
+
+# the probe's choice of interpreter (probe.DEFAULT_PYTHONS), asked where its packages go
+SITE_PACKAGES = ("for p in /opt/stepdeploy/venv/bin/python python3; do if command -v \"$p\" >/dev/null 2>&1; then "
+                 "exec \"$p\" -I -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'; fi; done; exit 127")
+
+
+def test_a_cp_layout_needs_transformer_engine_on_every_node(cluster: SimConfig) -> None:
+    """TransformerEngine is collected on each node (a stand-in distribution on node1, none on node2) and judged
+    against what `--layout cp=2` of tiny-moe needs: node1 passes, node2 fails (and only that), exit 1."""
+    site = _sh(cluster, 1, SITE_PACKAGES).strip()
+    info, package = (shlex.quote(f"{site}/{name}") for name in ("transformer_engine-9.9.9.dist-info",
+                                                                  "transformer_engine"))
+    standin = (f"mkdir -p {info} {package} && "
+               f"printf 'Metadata-Version: 2.1\\nName: transformer_engine\\nVersion: 9.9.9\\n' > {info}/METADATA && "
+               f": > {package}/__init__.py && : > {package}/pytorch.py")
+    try:
+        _sh(cluster, 1, standin)
+        res = subprocess.run([sys.executable, "-m", "stepdeploy", "preflight", str(cluster.inventory), "--json",
+                              "--min-free-gib", "0.1", "--no-bandwidth", "--model", "tiny-moe",
+                              "--layout", "cp=2"], capture_output=True, text=True, timeout=240)
+    finally:
+        _sh(cluster, 1, f"rm -rf {info} {package}")
+    assert res.returncode == 1, res.stdout + res.stderr
+    results = {(r["check"], r["node"]): r for r in json.loads(res.stdout)["results"]}
+    node1, node2 = results[("transformer_engine", "node1")], results[("transformer_engine", "node2")]
+    assert (node1["status"], node1["observed"]) == ("ok", "9.9.9: the layout's need is met")
+    assert (node2["status"], node2["observed"]) == ("fail", "not installed")
+    assert "any cp_comm_type" in node2["expected"] and "transformer_engine" in node2["fix"]
+    failed = {key for key, r in results.items() if r["status"] == "fail"}
+    assert failed == {("transformer_engine", "node2"), ("same_versions", None)}, failed
+    assert "transformer-engine: node1=9.9.9, node2=none" in results[("same_versions", None)]["observed"]
