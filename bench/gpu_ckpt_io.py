@@ -3,13 +3,16 @@ spend their time, with torch alone (issues 20, 21; docs/benchmarks.md).
 
 - read: a torch.distributed.checkpoint directory of about the dense proxy's size (10 GiB of fp32/bf16 tensors, the
   size mix of its save), written to memory (/dev/shm, as the GPU box's run directories are), read back into GPU
-  tensors by torch's FileSystemReader and by stepdeploy's ParallelReader with 2, 4, 8, 16 threads;
+  tensors by torch's FileSystemReader and by ParallelReader (bench/threaded_reader.py) with 8 threads, into device
+  and into host tensors; host-to-device copies from pageable and from pinned memory;
 - pin: the first device-to-host copy of those tensors into page-locked memory (torch's caching host allocator,
   as megatron-core's save makes it), with the allocator's defaults and with `pinned_use_cuda_host_register` and 8
   register threads; and a GPU loop's step time while another thread page-locks the same bytes (the stall the
-  save's head start caused on the H200).
+  save's head start caused on the H200); and how long a fork of the process takes before and after (megatron-core
+  forks its writer per save).
 
-    python bench/gpu_ckpt_io.py --out /tmp/io.json [--gib 10]
+    python bench/gpu_ckpt_io.py --out /tmp/io.json [--gib 10]      # both parts
+    PYTORCH_CUDA_ALLOC_CONF=... python bench/gpu_ckpt_io.py --out /tmp/x --pin-only   # one allocator setting
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "stepdeploy" / "workload"))
+from threaded_reader import ParallelReader  # bench/, beside this script
 
 
 def sizes(gib: float) -> list[tuple[int, str]]:
@@ -51,7 +53,6 @@ def tensors(spec: list[tuple[int, str]], device: str) -> dict:
 def read_bench(gib: float, where: Path) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
-    from ckpt_read import ParallelReader
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     spec = sizes(gib)
@@ -100,13 +101,24 @@ def read_bench(gib: float, where: Path) -> dict:
     return result
 
 
+def fork_seconds() -> float:
+    """How long a fork of this process takes (megatron-core's writer is a process forked per save); the child exits."""
+    began = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    forked = time.perf_counter() - began
+    os.waitpid(pid, 0)
+    return round(forked, 3)
+
+
 def pin_bench(gib: float) -> dict:
     """In this process (its PYTORCH_CUDA_ALLOC_CONF): the first and a second host copy; then a GPU loop's steps
     while a thread page-locks fresh blocks of the same sizes."""
     import torch
     spec = sizes(gib)
     state = tensors(spec, "cuda")
-    out: dict = {"conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    out: dict = {"conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "fork_before_s": fork_seconds()}
     for name in ("first_copy_s", "second_copy_s"):
         torch.cuda.synchronize()
         began = time.perf_counter()
@@ -114,6 +126,7 @@ def pin_bench(gib: float) -> dict:
         torch.cuda.synchronize()
         out[name] = round(time.perf_counter() - began, 3)
         del host
+    out["fork_after_s"] = fork_seconds()  # the freed blocks stay page-locked in the allocator's cache
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
 
     def step() -> float:

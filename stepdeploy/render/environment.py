@@ -122,11 +122,6 @@ def _rdma(node: Node, facts: NodeFacts, notes: list[str]) -> list[EnvVar]:
     return env
 
 
-# torch's caching host allocator: pin with cudaHostRegister after mapping the pages in 8 threads (the engine
-# page-locks a save's host memory ahead only where this is set: workload/megatron_ckpt.py)
-PINNED_HOST_REGISTER = ",pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
-
-
 def _torch(node: Node, layout: Layout, opts: RenderOptions) -> list[EnvVar]:
     cache = f"{opts.remote_dir.rstrip('/')}/.compile-cache"
     env = [EnvVar("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3",
@@ -141,12 +136,8 @@ def _torch(node: Node, layout: Layout, opts: RenderOptions) -> list[EnvVar]:
            EnvVar("TRITON_CACHE_DIR", f"{cache}/triton")]
     gpus = node.gpus_per_node or 0
     if gpus:
-        env.append(EnvVar("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True" + PINNED_HOST_REGISTER,
-                          ("fewer fragmentation OOMs with changing shapes (MoE routing); page-locked host memory",
-                           "(a checkpoint save's copies) by malloc + cudaHostRegister with 8 threads touching the",
-                           "pages, not cudaHostAlloc: on an H200 the first host copy of 10 GiB took 2.0 s instead",
-                           "of 5.1 s, and locking it in a thread beside a GPU loop stretched that loop's step by",
-                           "15 % instead of 13x (docs/benchmarks.md), so the save's host memory is locked ahead")))
+        env.append(EnvVar("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True",
+                          ("fewer fragmentation OOMs with changing shapes (MoE routing)",)))
         if layout.tp > 1 or layout.cp > 1:
             env.append(EnvVar("CUDA_DEVICE_MAX_CONNECTIONS", "1",
                               ("one hardware queue keeps TP/sequence-parallel comm ordered ahead of compute",)))

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
-import ckpt_read
 import torch
 import torch.distributed as dist
 from metrics import log
@@ -225,17 +224,15 @@ class SaveSetup:
 
 
 def pin_ahead() -> bool:
-    """Whether to page-lock the save's host memory ahead: STEPDEPLOY_CKPT_PIN_AHEAD=1/0, else only where torch's
-    host allocator pins with cudaHostRegister (PYTORCH_CUDA_ALLOC_CONF pinned_use_cuda_host_register:True, as
-    stepdeploy renders it for GPU nodes). With cudaHostAlloc, on an H200 (2026-12-01), page-locking the 9.63 GiB
-    in a thread stalled the step loop as long as the save would have (step 2: 7.67 s against 0.63 s): it only
-    moved the first save's stall into a step. With cudaHostRegister and 8 threads mapping the pages, a GPU loop
-    beside such a thread ran 15 % slower for 0.6 s (docs/benchmarks.md)."""
-    chosen = os.environ.get("STEPDEPLOY_CKPT_PIN_AHEAD")
-    if chosen is not None:
-        return chosen == "1"
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "")
-    return "pinned_use_cuda_host_register:True" in conf.split(",")
+    """Whether to page-lock the save's host memory ahead (STEPDEPLOY_CKPT_PIN_AHEAD=1; off by default). Measured on
+    an H200 (docs/benchmarks.md, issue 21) it does not pay either way:
+    - torch's default host allocator (cudaHostAlloc): the 9.63 GiB locked in a thread stalled the step loop as long
+      as the save would have (step 2: 7.67 s against 0.63 s), so the first save's stall only moved into a step;
+    - with PYTORCH_CUDA_ALLOC_CONF's pinned_use_cuda_host_register (malloc + cudaHostRegister, 8 threads) the loop
+      ran on (steps 2-6: 0.64-0.71 s) and the locking took 2.0 s instead of 5.1 s, but the first save then blocked
+      8.9 s: megatron-core's writer is a process forked per save, and a fork copies registered anonymous memory
+      at once (memory from cudaHostAlloc is not copied)."""
+    return os.environ.get("STEPDEPLOY_CKPT_PIN_AHEAD", "0") == "1"
 
 
 def write_results_queue() -> Any:
@@ -363,15 +360,13 @@ def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[st
     clock.lap("optimizer_state")
     state = sharded_state(model, optimizer, is_loading=True, metadata=dict(metadata))
     clock.lap("state_dict")
-    threads = ckpt_read.read_threads()
-    with ckpt_read.parallel_reads(threads):
-        loaded = dist_checkpointing.load(state, str(where))
+    loaded = dist_checkpointing.load(state, str(where))
     clock.lap("read")
     model.module.load_state_dict(loaded["model"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     restore_adam_steps(optimizer, loaded["optimizer"])
     clock.lap("apply")
-    log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, read by {threads} thread(s), "
+    log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, "
               f"{metadata.get('distrib_optim_sharding_type', 'no distributed optimizer')})")
     return iteration
 

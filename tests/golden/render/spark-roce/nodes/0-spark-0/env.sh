@@ -32,9 +32,5 @@ export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=480
 # first step from 14.0 s to 5.3 s: docs/benchmarks.md)
 export TORCHINDUCTOR_CACHE_DIR=/var/lib/stepdeploy/runs/.compile-cache/inductor
 export TRITON_CACHE_DIR=/var/lib/stepdeploy/runs/.compile-cache/triton
-# fewer fragmentation OOMs with changing shapes (MoE routing); page-locked host memory
-# (a checkpoint save's copies) by malloc + cudaHostRegister with 8 threads touching the
-# pages, not cudaHostAlloc: on an H200 the first host copy of 10 GiB took 2.0 s instead
-# of 5.1 s, and locking it in a thread beside a GPU loop stretched that loop's step by
-# 15 % instead of 13x (docs/benchmarks.md), so the save's host memory is locked ahead
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8
+# fewer fragmentation OOMs with changing shapes (MoE routing)
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -1,21 +1,19 @@
-"""Reading a checkpoint with several threads: torch.distributed.checkpoint's FileSystemReader, whose read_data
-goes through the items one at a time (per item: read the bytes, torch.load them on the CPU, copy them into the
-target tensor). On an H200 the dense proxy's 10 GiB restart read took 10.2 s that way, from memory (tmpfs): the
-time is the CPU's, one core's (docs/benchmarks.md). ParallelReader spreads the items over threads: the file reads
-and the device copies release the GIL. The planner's calls (resolve_tensor, commit_tensor, load_bytes) stay one at a
-time, in a lock; the copy into the target runs outside it unless megatron-core's planner kept a tensor between
-resolve_tensor and commit_tensor (its FP8 destinations), then it stays inside. Standard library + torch only
-(shipped as a file).
+"""Exploration only (bench/gpu_ckpt_io.py), not the product: a checkpoint read with several threads.
+
+torch.distributed.checkpoint's FileSystemReader goes through the items one at a time (per item: read the bytes,
+torch.load them on the CPU, copy them into the target tensor). On an H200 the dense proxy's 10 GiB restart read takes
+9-10 s that way, from memory (tmpfs). ParallelReader spreads the items over threads (the planner's calls one at a
+time, in a lock; the copy into the target outside it unless megatron-core's planner kept a tensor between
+resolve_tensor and commit_tensor). On the H200 it did not help: 1.1-1.4 GB/s with 1 or 8 threads, into host tensors
+as into device ones, so torch.load's per-item work holds the GIL; the device copies are 1.6 s of the 9-10
+(docs/benchmarks.md). Standard library + torch only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import io
 import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,14 +22,6 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
-
-
-def read_threads() -> int:
-    """STEPDEPLOY_CKPT_READ_THREADS (1: torch's own reader); default: 8, at most the CPUs this process may use."""
-    value = os.environ.get("STEPDEPLOY_CKPT_READ_THREADS")
-    if value:
-        return max(1, int(value))
-    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 class ParallelReader(FileSystemReader):
@@ -43,31 +33,6 @@ class ParallelReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         return read_data(self, plan, planner, self.threads)
-
-
-@contextlib.contextmanager
-def parallel_reads(threads: int) -> Iterator[None]:
-    """megatron-core's torch_dist loads inside this block read with `threads` threads: the reader megatron-core
-    makes (torch's FileSystemReader, or its metadata-caching subclass) gets read_data() of this module; another
-    kind (its multi-storage client) is left as it is. 1: nothing changes."""
-    from megatron.core.dist_checkpointing.strategies import torch as strategy
-
-    make = strategy._get_filesystem_reader  # 0.16 and 0.19: the one place its load strategy makes its reader
-    if threads <= 1:
-        yield
-        return
-
-    def parallel(*args: Any, **kwargs: Any) -> Any:
-        reader = make(*args, **kwargs)
-        if isinstance(reader, FileSystemReader) and type(reader).read_data is FileSystemReader.read_data:
-            reader.read_data = functools.partial(read_data, reader, threads=threads)  # type: ignore[method-assign]
-        return reader
-
-    strategy._get_filesystem_reader = parallel
-    try:
-        yield
-    finally:
-        strategy._get_filesystem_reader = make
 
 
 def read_data(reader: FileSystemReader, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future[None]:
