@@ -82,10 +82,12 @@ STEP_HOST_S = 0.014
 # for the MoE proxy (3.56B) and 99 ms for step-3.5-flash-slice-1gpu (3.44B): 25-30 ns per parameter, i.e. about
 # 116 B at 4.3 TB/s (the 2-GPU DP2 runs own half: 47-64 ms MoE, 12-17 ms dense; docs/benchmarks.md).
 OPTIMIZER_STEP_BYTES = 116
-# torch's fused AdamW (Layout.optimizer "fused") has never run on a GPU here: assumed to take what the foreach one
-# does (the clipping, the copy to the bf16 parameters and megatron's bookkeeping stay; one kernel instead of a
-# dozen foreach passes can only be faster), until bench/gpu_optim.sh measures it.
-OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION = {"foreach": OPTIMIZER_STEP_BYTES, "fused": OPTIMIZER_STEP_BYTES}
+# torch's fused AdamW (Layout.optimizer "fused"), measured by bench/gpu_optim.sh on one H200 (2026-12-02, torch
+# 2.11, megatron-core 0.19.2; docs/benchmarks.md "H200 calls T, U and V"): the dense proxy's optimizer phase took
+# 12 ms against the foreach one's 22 ms in the same call, i.e. 0.012 s x 4.3 TB/s / 0.738B owned = 70 B per
+# parameter (one kernel instead of a dozen foreach passes; the clipping and the bf16 copy stay).
+FUSED_OPTIMIZER_STEP_BYTES = 70
+OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION = {"foreach": OPTIMIZER_STEP_BYTES, "fused": FUSED_OPTIMIZER_STEP_BYTES}
 
 
 def overlap(gpu: float, host: float) -> float:

@@ -76,10 +76,14 @@ def test_the_offloaded_step_is_the_owned_shard_copied_and_stepped_on_the_host() 
     assert two.optimizer == pytest.approx(expected / 2, rel=1e-6)
 
 
-def test_the_fused_adamw_is_assumed_to_step_as_fast_as_the_foreach_one_until_measured() -> None:
-    foreach, fused = _verdict("mbs=4").time, _verdict("mbs=4,optimizer=fused").time
+def test_the_fused_adamw_steps_in_what_the_h200_measured() -> None:
+    """Until measured, the plan assumed the fused AdamW as slow as the foreach one (0.020 s here); the H200 ran it in
+    12 ms against the foreach one's 22 ms in the same call."""
+    fused_record = next(record for record in RECORDS if "optimizer=fused" in record["layout"])
+    foreach, fused = _verdict("mbs=4").time, _verdict(fused_record["layout"]).time
     assert foreach is not None and fused is not None
-    assert fused.optimizer == foreach.optimizer and fused.seconds == foreach.seconds
+    assert fused.optimizer == pytest.approx(fused_record["optimizer_s"], rel=0.05)
+    assert fused.optimizer < foreach.optimizer and fused.seconds < foreach.seconds
 
 
 @pytest.mark.parametrize(("layout", "implementation", "device", "summary"), [
