@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 from stepdeploy.inventory.model import Node
 from stepdeploy.plan.layout import Layout
-from stepdeploy.render import NodeFacts, RenderOptions, node_environment
+from stepdeploy.render import NodeFacts, RenderOptions, node_environment, templating
 
 
 def env_of(node: Node, layout: Layout = Layout(), facts: NodeFacts | None = None, **opts: object) -> tuple[dict, list]:
@@ -73,3 +77,25 @@ def test_compile_caches_live_beside_the_runs_not_in_tmp() -> None:
     other, _ = node_environment(SPARK, 0, Layout(), RenderOptions(run_id="other-run"))
     # shared by every run on the node: the soak reuses the warm-up's kernels
     assert {v.key: v.value for v in other}["TORCHINDUCTOR_CACHE_DIR"] == env["TORCHINDUCTOR_CACHE_DIR"]
+
+
+HGX = Node(name="hgx-0", address="192.0.2.2", gpus_per_node=8, gpu_model="H100", train_iface="eth0",
+           fabric="ethernet")
+
+
+def test_optimizer_offload_gives_each_rank_its_share_of_the_nodes_cpus(tmp_path: Path) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 when a node starts more than one rank, unless it is set: the host AdamW of an
+    offloaded optimizer would then run on one thread per rank."""
+    env, _ = env_of(HGX, Layout(optimizer_cpu_offload=True, precision_aware_optimizer=True))
+    assert env["OMP_NUM_THREADS"] == "$(( $(nproc) / 8 > 1 ? $(nproc) / 8 : 1 ))"
+    for layout, node in ((Layout(), HGX), (Layout(optimizer_cpu_offload=True, precision_aware_optimizer=True), SPARK)):
+        assert "OMP_NUM_THREADS" not in env_of(node, layout)[0]  # no offload, or one rank per node
+
+    variables, _ = node_environment(HGX, 0, Layout(optimizer_cpu_offload=True, precision_aware_optimizer=True),
+                                    RenderOptions(run_id="r", extra_env=(("STEPDEPLOY_NOTE", "$(( 1 + 1 ))"),)))
+    script = tmp_path / "env.sh"
+    script.write_text(templating.render("env.sh.j2", version="t", node=HGX, node_rank=0, environment=variables))
+    shown = subprocess.run(["bash", "-c", f'. "{script}"; echo "$OMP_NUM_THREADS $STEPDEPLOY_NOTE"'],
+                           capture_output=True, text=True, check=True).stdout.split()
+    expected = max(1, len(os.sched_getaffinity(0)) // 8)  # nproc: the CPUs this process may use
+    assert shown == [str(expected), "$((", "1", "+", "1", "))"]  # a value given by the user stays literal
