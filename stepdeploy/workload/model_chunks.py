@@ -38,7 +38,8 @@ def pipeline_kwargs(p: dict[str, Any]) -> dict[str, Any]:
 def optimizer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     """megatron-core OptimizerConfig arguments (pure). Offload: the precision-aware optimizer's path, which is the
     one megatron-core takes for optimizer_cpu_offload without TransformerEngine (HybridDeviceOptimizer with a
-    fused torch AdamW on the host, fp32 master weights and Adam state in pinned host memory, offload fraction 1)."""
+    fused torch AdamW on the host, offload fraction 1: the parameters' host copies and the gradients' are pinned; the
+    fp32 master copies it makes of bf16 parameters and torch's Adam state are ordinary host memory)."""
     t, p = cfg["training"], cfg["parallel"]
     kwargs: dict[str, Any] = {
         "optimizer": "adam", "lr": t["lr"], "weight_decay": WEIGHT_DECAY, "adam_beta1": 0.9, "adam_beta2": 0.95,
