@@ -9,7 +9,7 @@ that changes nothing but starting the slurmd stopped before it.
 
 Left out of the suite's default run (marker `bench`; bench/suite_bench.sh or `-m bench` runs them), wider cases
 of kinds the default run keeps: site.yml with every role but python_env and the slurm role in one run on 2 fresh
-nodes ("sdslurma"; every role of site.yml on 2 nodes is test_roles.py's test_site_provisions_two_nodes, the
+nodes ("sdslurmall"; every role of site.yml on 2 nodes is test_roles.py's test_site_provisions_two_nodes, the
 slurm role on 2 fresh nodes is the default case above), and the role alone on 4 nodes with `srun -N4`
 ("sdslurm4", also marker `slurm4`).
 """
@@ -92,7 +92,7 @@ def slurm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 
 @pytest.fixture(scope="module")
 def slurm2_all_roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    yield from _cluster(tmp_path_factory, "sdslurma", "10.93.0.0/24", 8094, 2)
+    yield from _cluster(tmp_path_factory, "sdslurmall", "10.93.0.0/24", 8094, 2)
 
 
 @pytest.fixture(scope="module")
