@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The test cases the suite's default run leaves out (marker `bench`, pyproject's addopts): wider cases of kinds
-# the suite keeps one of, e.g. the Slurm role on 4 fresh nodes (the suite runs it on 2), or site.yml with every
-# role and the Slurm role in one run (the suite runs the Slurm role alone, test_roles.py every role). Figures:
+# the suite keeps one of, e.g. the Slurm role on 4 fresh nodes (the suite runs it on 2). Figures:
 # docs/benchmarks.md, "Test suite". Integration cases need root and the simulated cluster, as in the suite.
 #   bash bench/suite_bench.sh                 # every moved case
 #   bash bench/suite_bench.sh tests/integration/test_slurm_role.py

@@ -2,16 +2,12 @@
 cluster's repository, real Ansible over real SSH, real slurmctld/slurmd daemons (started without systemd, as
 the nodes have none), real jobs.
 
-One 2-node cluster of its own ("sdslurm"): `--check` on the fresh nodes changes nothing; site.yml
-`--tags slurm` (the compatibility play and the slurm role) with stepdeploy_slurm=true; then `sinfo`, `srun -N2`,
-a failing batch job, the shared munge key (never in Ansible's output), memlock taken from slurmd, and a re-run
-that changes nothing but starting the slurmd stopped before it.
-
-Left out of the suite's default run (marker `bench`; bench/suite_bench.sh or `-m bench` runs them), wider cases
-of kinds the default run keeps: site.yml with every role but python_env and the slurm role in one run on 2 fresh
-nodes ("sdslurmall"; every role of site.yml on 2 nodes is test_roles.py's test_site_provisions_two_nodes, the
-slurm role on 2 fresh nodes is the default case above), and the role alone on 4 nodes with `srun -N4`
-("sdslurm4", also marker `slurm4`).
+One 2-node cluster of its own ("sdslurm"): `--check` on the fresh nodes changes nothing; site.yml with every
+role (but python_env, which test_roles.py covers) and stepdeploy_slurm=true; then `sinfo`, `srun -N2`, a
+failing batch job, the shared munge key (never in Ansible's output), memlock taken from slurmd, and a re-run
+that changes nothing but starting the slurmd stopped before it. A 4-node cluster ("sdslurm4", markers `slurm4`
+and `bench`: left out of the suite's default run, which keeps the 2-node case; run it with `-m slurm4` or
+bench/suite_bench.sh) runs the role alone and `srun -N4`.
 """
 
 from __future__ import annotations
@@ -91,11 +87,6 @@ def slurm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 
 
 @pytest.fixture(scope="module")
-def slurm2_all_roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    yield from _cluster(tmp_path_factory, "sdslurmall", "10.93.0.0/24", 8094, 2)
-
-
-@pytest.fixture(scope="module")
 def slurm4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     yield from _cluster(tmp_path_factory, "sdslurm4", "10.91.0.0/24", 8092, 4)
 
@@ -126,10 +117,9 @@ def test_check_mode_on_fresh_nodes_changes_nothing(slurm2: SlurmCluster, tmp_pat
 
 def test_site_with_slurm_provisions_two_nodes(slurm2: SlurmCluster, tmp_path: Path) -> None:
     start = time.monotonic()
-    # The compatibility play and the slurm role: the other roles of site.yml took 63 % of this run when it had
-    # them (62 of 98 s on an idle machine); test_roles.py runs them on 2 nodes, and
-    # test_site_with_every_role_and_slurm (bench) runs them with this role in one run.
-    runner = slurm2.playbook(tmp_path, tags="slurm")
+    # Every role of site.yml, the slurm role included, but python_env: test_roles.py covers it, and its torch
+    # install from the wheelhouse alone takes 80 s on a loaded 2-core machine.
+    runner = slurm2.playbook(tmp_path, skip_tags="python_env")
     slurm2.timings["first"] = time.monotonic() - start
     assert runner.rc == 0, _failed(runner)
     assert runner.stats["failures"] == {} and runner.stats["dark"] == {}
@@ -208,7 +198,7 @@ def test_rerun_changes_nothing_but_starting_a_stopped_slurmd(slurm2: SlurmCluste
     assert runner.stats["changed"] == {"node2": 1}
     assert slurm2.node_states() == dict.fromkeys(slurm2.nodes, "idle")
     assert _hostnames(slurm2.sh("node1", "srun -N2 hostname").stdout) == slurm2.nodes
-    print(f"\nsite.yml --tags slurm on 2 nodes: {slurm2.timings.get('first', 0):.1f} s; "
+    print(f"\nsite.yml (all roles but python_env, + slurm) on 2 nodes: {slurm2.timings.get('first', 0):.1f} s; "
           f"re-run --tags slurm {slurm2.timings['rerun']:.1f} s")
 
 
@@ -222,22 +212,3 @@ def test_four_nodes(slurm4: SlurmCluster, tmp_path: Path) -> None:
     assert slurm4.node_states() == dict.fromkeys(slurm4.nodes, "idle")
     assert _hostnames(slurm4.sh("node3", "srun --nodes=4 --ntasks-per-node=1 hostname").stdout) == slurm4.nodes
     print(f"\nsite.yml --tags slurm on 4 nodes: {elapsed:.1f} s")
-
-
-@pytest.mark.bench
-def test_site_with_every_role_and_slurm(slurm2_all_roles: SlurmCluster, tmp_path: Path) -> None:
-    """The default run's 2-node case as it was before it narrowed to `--tags slurm`: every role of site.yml but
-    python_env (test_roles.py covers it; its torch install alone takes 80 s on a loaded 2-core machine) and the
-    slurm role, in one run on fresh nodes; then Slurm works."""
-    cluster = slurm2_all_roles
-    start = time.monotonic()
-    runner = cluster.playbook(tmp_path, skip_tags="python_env")
-    elapsed = time.monotonic() - start
-    assert runner.rc == 0, _failed(runner)
-    assert runner.stats["failures"] == {} and runner.stats["dark"] == {}
-    assert any("Run slurmctld without systemd" in c for c in _changed(runner))
-    for name in cluster.nodes:  # the other roles ran too: common's limits file, infiniband's NCCL facts
-        cluster.sh(name, "test -e /etc/security/limits.d/90-stepdeploy.conf && test -e /etc/stepdeploy/nccl.json")
-    assert cluster.node_states() == dict.fromkeys(cluster.nodes, "idle")
-    assert _hostnames(cluster.sh("node2", "srun --nodes=2 --ntasks-per-node=1 hostname").stdout) == cluster.nodes
-    print(f"\nsite.yml (all roles but python_env, + slurm) on 2 nodes: {elapsed:.1f} s")
