@@ -40,8 +40,10 @@ OFFLOAD_HOST_ADAM_BYTES = 16 + 12
 # the owned parameters: how the 0.579 s splits between them, e.g. a pageable copy slower than 50 GB/s, changes no
 # prediction on this kind of host.) The planner assumed 25 GB/s before ("a GPU's share of ~200 GB/s over 8 GPUs",
 # with 32 B, and 6 B over PCIe): its step was 1.65 s, 39 % over the measured, while the rest of the step was
-# within 2 % of it (0.62 s against 0.607 s). Not measured: more than one rank on a host (their AdamW threads and
-# memory traffic share the host; torchrun gives each rank one OpenMP thread unless OMP_NUM_THREADS is set), and
+# within 2 % of it (0.62 s against 0.607 s). The same command in a later call (U, docs/benchmarks.md "H200 calls
+# T, U and V") took 1.359 s, its optimizer phase 0.738 s: the host's rate varies by that much between calls on one
+# box; this fit is the faster run. Not measured: more than one rank on a host (their AdamW threads and memory
+# traffic share the host; render gives each rank the node's CPUs / its GPUs as OMP_NUM_THREADS under offload), and
 # hosts of other CPUs.
 OFFLOAD_HOST_GBPS_PER_GPU = 45.0
 
