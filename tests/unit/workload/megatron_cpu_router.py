@@ -5,7 +5,8 @@ DDP, finalize_model_grads, megatron's optimizer, the engine's forward step and l
 for the load). Prints one JSON line: per step the loss, each MoE layer's max/mean tokens per expert and the
 largest |expert bias|; and each router's expert bias with the tokens it counted on the last step.
 
-    python megatron_cpu_router.py '{"steps": 30, "lr": 3e-4, "warmup": 3, ...}'   (keys: see SETTINGS)
+    python megatron_cpu_router.py '{"steps": 30, "lr": 3e-4, "warmup": 3, ...}'   (keys: see SETTINGS; "schedule":
+    the iterations the cosine decays over, when not "steps"; "overrides": TransformerConfig fields)
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 from megatron_cpu import free_port, megatron_on_cpu
 
 SETTINGS: dict[str, Any] = {
-    "steps": 30, "lr": 3.0e-4, "warmup": 3, "seq": 64, "mbs": 4, "micro_batches": 2, "hidden": 128,
-    "experts": 32, "topk": 8, "layers": 3, "seed": 1, "overrides": {},  # TransformerConfig fields
+    "steps": 30, "schedule": 0, "lr": 3.0e-4, "warmup": 3, "seq": 64, "mbs": 4, "micro_batches": 2, "hidden": 128,
+    "experts": 32, "topk": 8, "layers": 3, "seed": 1, "data": "docs", "overrides": {},  # TransformerConfig fields
 }
 CORPUS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -78,7 +79,8 @@ def main() -> None:
     spec = small_slice(s)
     gbs = s["mbs"] * s["micro_batches"]
     cfg = workload_config(spec, Layout(mbs=s["mbs"]), RenderOptions(run_id="t", seq_length=s["seq"],
-                          global_batch_size=gbs, iterations=s["steps"], warmup_iterations=s["warmup"]),
+                          global_batch_size=gbs, iterations=s["schedule"] or s["steps"],
+                          warmup_iterations=s["warmup"]),
                           engine="megatron", world=1, peak_tflops=790.0)
     cfg["parallel"]["experts"] = "grouped_mm_eager"  # no compiler on CPU
     torch.manual_seed(s["seed"])
@@ -102,6 +104,8 @@ def main() -> None:
     for index, router in enumerate(routers):
         router.register_forward_pre_hook(lambda _m, args, index=index: inputs.__setitem__(index, args[0].detach()))
     stream, seq, mbs = byte_stream(), s["seq"], s["mbs"]
+    if s["data"] == "uniform":  # the same length of independent uniform bytes: no structure to route on
+        stream = torch.randint(0, 256, stream.shape, generator=torch.Generator().manual_seed(s["seed"]))
     gen = torch.Generator().manual_seed(s["seed"])
     positions = torch.arange(seq).unsqueeze(0).expand(mbs, -1)
     forward_step = model_chunks.lm_forward_step(positions)
@@ -124,7 +128,7 @@ def main() -> None:
         steps.append({"it": iteration, "lr": round(lr, 7),
                       "loss": round(float(sum(x["lm loss"] for x in losses) / len(losses)), 4),
                       "grad_norm": round(float(grad_norm), 3), "load": got["moe_load"],
-                      "bias": got.get("router_bias"),
+                      "bias": got.get("router_bias"), "busiest_bias": got.get("router_bias_busiest"),
                       "margin": [margin(r, inputs[i], s["topk"]) for i, r in enumerate(routers)]})
     last = [{"bias_dtype": str(r.expert_bias.dtype), "bias": [round(float(b), 4) for b in r.expert_bias],
              "counts_dtype": str(r.local_tokens_per_expert.dtype),
