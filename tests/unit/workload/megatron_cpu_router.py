@@ -21,7 +21,7 @@ from megatron_cpu import free_port, megatron_on_cpu
 
 SETTINGS: dict[str, Any] = {
     "steps": 30, "schedule": 0, "lr": 3.0e-4, "warmup": 3, "seq": 64, "mbs": 4, "micro_batches": 2, "hidden": 128,
-    "experts": 32, "topk": 8, "layers": 3, "seed": 1, "data": "docs", "overrides": {},  # TransformerConfig fields
+    "experts": 32, "topk": 8, "layers": 3, "seed": 1, "data": "docs", "fp32_counts": True, "overrides": {},
 }
 CORPUS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -90,6 +90,9 @@ def main() -> None:
     config = TransformerConfig(**kwargs)
     chunks = model_chunks.wrap_chunks(model_chunks.build_chunks(cfg, config, em.build_model), config,
                                       em.ddp_config_kwargs(cfg) | {"overlap_param_gather": False})
+    counts_dtype = str(next(m.local_tokens_per_expert.dtype for m in chunks[0].modules()
+                            if getattr(m, "local_tokens_per_expert", None) is not None))
+    converted = em.keep_router_counts_fp32(chunks) if s["fp32_counts"] else 0
     model_chunks.attach_grad_sync(config, chunks, False)
     cfg["parallel"]["optimizer"] = "foreach"
     optimizer = model_chunks.build_optimizer(cfg, chunks)
@@ -133,7 +136,8 @@ def main() -> None:
     last = [{"bias_dtype": str(r.expert_bias.dtype), "bias": [round(float(b), 4) for b in r.expert_bias],
              "counts_dtype": str(r.local_tokens_per_expert.dtype),
              "weight_std": round(float(r.weight.float().std()), 5)} for r in routers]
-    print(json.dumps({"settings": s, "ceiling": s["experts"] / s["topk"], "steps": steps, "routers": last}))
+    print(json.dumps({"settings": s, "ceiling": s["experts"] / s["topk"], "steps": steps, "routers": last,
+                      "counts_dtype_wrapped": counts_dtype, "counts_converted": converted}))
 
 
 if __name__ == "__main__":

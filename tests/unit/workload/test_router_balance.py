@@ -4,8 +4,10 @@ balancing) trained on byte-level text through the megatron engine's own pieces (
 
 With the catalog's update rate (1e-3 per step, DeepSeek-V3's) one expert ends up in every token's top-k within a
 few steps although the bias update is applied, against that expert, every step: the router's own Adam updates
-raise the expert's score faster than the bias can lower it. Ten times the rate keeps the same model balanced, so
-the update does reach the routing. And the per-step figures that say so: the busiest expert's bias.
+raise the expert's score faster than the bias can lower it. Ten times the rate keeps this 128-wide model balanced,
+so the update does reach the routing (not a 512-wide one: the router's drift per step grows with the width;
+docs/benchmarks.md, call P). And the per-step figure that says so: the busiest expert's bias. The routers' token
+counters stay fp32 under Float16Module (keep_router_counts_fp32).
 """
 
 from __future__ import annotations
@@ -84,3 +86,19 @@ def test_ten_times_the_update_rate_keeps_the_same_model_balanced(runs: dict[str,
     assert max(loads) < NEAR_CEILING * ceiling, [step["load"] for step in run["steps"]]
     # the same data and start as the catalog run: it collapsed, this one did not
     assert max(load for step in runs["catalog"]["steps"] for load in step["load"].values()) > max(loads)
+
+
+def test_the_routers_token_counts_stay_fp32_under_float16module(runs: dict[str, dict]) -> None:
+    run = runs["catalog"]
+    assert run["counts_dtype_wrapped"] == "torch.bfloat16"  # what Float16Module made of them
+    assert run["counts_converted"] == 3 and {r["counts_dtype"] for r in run["routers"]} == {"torch.float32"}
+
+
+def test_a_bf16_token_counter_stops_counting() -> None:
+    """Why: 1,000 micro-batches of 100 tokens for one expert."""
+    counts = {dtype: torch.zeros(1, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
+    for _ in range(1000):
+        for c in counts.values():
+            c += torch.tensor([100]).sum(dim=0)
+    assert float(counts[torch.float32]) == 100_000
+    assert float(counts[torch.bfloat16]) < 50_000
