@@ -95,6 +95,21 @@ def load_balancing_kwargs(moe: dict[str, Any]) -> dict[str, Any]:
     return {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": moe.get("aux_loss_coeff", 1e-2)}
 
 
+def keep_router_counts_fp32(models: list[Any]) -> int:
+    """Float16Module casts every buffer to bf16, the routers' token counters too (megatron-core 0.16.1 keeps
+    only the expert bias in fp32). A bf16 counter stops counting once a micro-batch's tokens for an expert fall
+    below half its spacing (a count of 65,536 ignores any addition under 256), and the expert-bias update then
+    reads wrong loads; back to fp32 here. -> counters converted"""
+    converted = 0
+    for model in models:
+        for module in model.modules():
+            counts = getattr(module, "local_tokens_per_expert", None)
+            if isinstance(counts, torch.Tensor) and counts.dtype != torch.float32:
+                counts.data = counts.data.float()
+                converted += 1
+    return converted
+
+
 def parallel_sizes(cfg: dict[str, Any]) -> dict[str, int]:
     p = cfg["parallel"]
     sizes = {"tensor_model_parallel_size": p["tp"], "pipeline_model_parallel_size": p["pp"],
@@ -197,6 +212,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     ddp = ddp_config_kwargs(cfg) | config_overrides(rank, "STEPDEPLOY_DDP_OVERRIDES")
     chunks = model_chunks.wrap_chunks([c.cuda() for c in model_chunks.build_chunks(cfg, config, build_model)],
                                       config, ddp)
+    keep_router_counts_fp32(chunks)
     model = model_chunks.as_one_model(chunks)  # the DDP model, or with VPP its chunks in one
     trace.mark("model")
     files.phase("model")

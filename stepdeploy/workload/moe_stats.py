@@ -4,13 +4,17 @@
 Each router adds the tokens it sent to each expert (its routing map, summed over the tokens) while gradients
 are on: a full-recompute's second forward and evaluation passes are not counted twice, as megatron-core's own
 expert-bias counter does. `reduce()` sums the counts over every rank (tensor-parallel ranks that see the same
-tokens scale every expert alike, so max/mean is unchanged), takes each layer's largest |expert bias| (replicated
-across data-parallel ranks: MAX, not SUM) and clears the counts for the next step. Layers are named by their
-global 1-based number; MTP layers come after the decoder's (megatron numbers them so).
+tokens scale every expert alike, so max/mean is unchanged) and each layer's expert bias over the ranks that hold
+the layer (the same on each: the sum over their number is the bias), and clears the counts for the next step.
+Layers are named by their global 1-based number; MTP layers come after the decoder's (megatron numbers them so).
 
     max/mean   the busiest expert's tokens over the mean: 1.0 is perfect balance; its ceiling E/k (experts over
                the experts each token goes to: `moe_load_ceiling`) is one expert taking every token.
                Computed over the tokens of one global batch.
+    router_bias          each layer's largest |expert bias|. It grows by the update rate every step while any one
+                         expert stays on one side of the mean load: an expert that is never busy does so too.
+    router_bias_busiest  the expert bias of each layer's busiest expert of the step: below zero and falling when
+                         the update pushes against it (bias += rate x sign(mean load - load)).
     dropped    the fraction of (token, expert) assignments the router did not deliver (a capacity factor
                drops them); 0 for the dropless dispatchers stepdeploy renders.
 """
@@ -58,26 +62,30 @@ class RouterStats:
         return hook
 
     def reduce(self) -> dict[str, Any]:
-        """The step's figures (every rank calls it: collectives), counts cleared."""
-        bias = torch.zeros(self.counts.shape[0], device=self.device)
+        """The step's figures (every rank calls it: one collective), counts cleared."""
+        slots = self.counts.shape[0]
+        bias = torch.zeros(slots, self.experts, device=self.device)  # summed over the ranks holding the layer
         for slot, router in self.bias_of.items():
             if router is not None and router.expert_bias is not None:
-                bias[slot] = router.expert_bias.detach().abs().max().float()
-        summed = torch.cat([self.counts.flatten(), self.assigned, self.present])
+                bias[slot] = router.expert_bias.detach().float()
+        summed = torch.cat([self.counts.flatten(), self.assigned, self.present, bias.flatten()])
         if dist.is_initialized():
             dist.all_reduce(summed)
-            dist.all_reduce(bias, op=dist.ReduceOp.MAX)
-        slots = self.counts.shape[0]
-        counts = summed[:slots * self.experts].view(slots, self.experts)
-        assigned, present = summed[slots * self.experts:-slots], summed[-slots:]
+        cut = slots * self.experts
+        counts = summed[:cut].view(slots, self.experts)
+        assigned, present = summed[cut:cut + slots], summed[cut + slots:cut + 2 * slots]
+        bias = summed[cut + 2 * slots:].view(slots, self.experts) / present.clamp_min(1.0).unsqueeze(1)
         self.counts.zero_()
         self.assigned.zero_()
-        return summarise(counts.cpu(), assigned.cpu(), present.cpu(), bias.cpu(), bool(self.bias_of) and any(
-            r is not None for r in self.bias_of.values()), ceiling=self.experts / self.topk)
+        busiest = bias.gather(1, counts.argmax(dim=1, keepdim=True)).squeeze(1)
+        return summarise(counts.cpu(), assigned.cpu(), present.cpu(), bias.abs().amax(dim=1).cpu(), bool(self.bias_of)
+                         and any(r is not None for r in self.bias_of.values()), ceiling=self.experts / self.topk,
+                         busiest_bias=busiest.cpu())
 
 
 def summarise(counts: torch.Tensor, assigned: torch.Tensor, present: torch.Tensor, bias: torch.Tensor,
-              has_bias: bool, ceiling: float | None = None) -> dict[str, Any]:
+              has_bias: bool, ceiling: float | None = None, busiest_bias: torch.Tensor | None = None
+              ) -> dict[str, Any]:
     load: dict[str, float] = {}
     for slot in range(counts.shape[0]):
         total = float(counts[slot].sum())
@@ -91,6 +99,9 @@ def summarise(counts: torch.Tensor, assigned: torch.Tensor, present: torch.Tenso
     if has_bias:
         per_layer = {str(s + 1): round(float(bias[s]), 6) for s in range(bias.shape[0]) if present[s] > 0}
         out |= {"router_bias": per_layer, "router_bias_absmax": max(per_layer.values()) if per_layer else None}
+        if busiest_bias is not None:
+            out["router_bias_busiest"] = {str(s + 1): round(float(busiest_bias[s]), 6) for s in range(bias.shape[0])
+                                          if present[s] > 0}
     return out
 
 

@@ -1,0 +1,144 @@
+"""Run in a process of its own (megatron_on_cpu repoints torch's CUDA calls): a small Step-3.5-Flash-like MoE (the
+slice's router: sigmoid scores, expert bias, top-k scaling, fp32 router, auxiliary-loss-free balancing) trained
+for a few dozen steps on byte-level text through the megatron engine's own pieces (model_chunks: Float16Module +
+DDP, finalize_model_grads, megatron's optimizer, the engine's forward step and learning-rate schedule; moe_stats
+for the load). Prints one JSON line: per step the loss, each MoE layer's max/mean tokens per expert and the
+largest |expert bias|; and each router's expert bias with the tokens it counted on the last step.
+
+    python megatron_cpu_router.py '{"steps": 30, "lr": 3e-4, "warmup": 3, ...}'   (keys: see SETTINGS; "schedule":
+    the iterations the cosine decays over, when not "steps"; "overrides": TransformerConfig fields)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron_cpu import free_port, megatron_on_cpu
+
+SETTINGS: dict[str, Any] = {
+    "steps": 30, "schedule": 0, "lr": 3.0e-4, "warmup": 3, "seq": 64, "mbs": 4, "micro_batches": 2, "hidden": 128,
+    "experts": 32, "topk": 8, "layers": 3, "seed": 1, "data": "docs", "fp32_counts": True, "overrides": {},
+}
+CORPUS = Path(__file__).resolve().parents[3] / "docs"
+
+
+def byte_stream() -> torch.Tensor:
+    """This checkout's docs as bytes (the soak's corpus was the docs, tokenized byte-level)."""
+    text = b"".join(p.read_bytes() for p in sorted(CORPUS.glob("*.md")))
+    return torch.tensor(list(text), dtype=torch.long)
+
+
+def small_slice(s: dict[str, Any]) -> Any:
+    from stepdeploy.catalog import load_model
+    from stepdeploy.catalog.loader import parse_model
+
+    data = load_model("step-3.5-flash-slice-1gpu").model_dump()
+    h = s["hidden"]
+    data.update(name="small-step35", num_layers=s["layers"] + 1, hidden_size=h, num_attention_heads=4,
+                sliding_num_attention_heads=4, num_query_groups=2, kv_channels=h // 4, sliding_window=32,
+                ffn_hidden_size=2 * h, vocab_size=256, max_position_embeddings=256, swiglu_limits={},
+                swiglu_limits_shared={}, mtp_num_layers=0)
+    data["rope"]["llama3_scaling"]["original_max_position_embeddings"] = 128
+    data["moe"].update(num_experts=s["experts"], topk=s["topk"], ffn_hidden_size=h // 2,
+                       shared_expert_ffn_hidden_size=h // 2)
+    data["training"].update(seq_length=s["seq"], global_batch_size=s["mbs"] * s["micro_batches"], lr=s["lr"])
+    return parse_model(data)
+
+
+def margin(router: Any, hidden: torch.Tensor, topk: int) -> list[float]:
+    """The busiest expert (of the last micro-batch) and how far the bias would have to lower it to leave the
+    top-k of half the tokens: the median over tokens of (its score + bias) - (the k-th best of the others')."""
+    with torch.no_grad():
+        scores = torch.sigmoid(hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t())
+        biased = scores + router.expert_bias.float()
+        busiest = int(biased.topk(topk, dim=-1).indices.flatten().bincount(minlength=scores.shape[1]).argmax())
+        others = torch.cat([biased[:, :busiest], biased[:, busiest + 1:]], dim=1)
+        gap = biased[:, busiest] - others.topk(topk, dim=-1).values[:, -1]
+        return [busiest, round(float(gap.median()), 4), round(float(router.expert_bias[busiest]), 4)]
+
+
+def main() -> None:
+    s = SETTINGS | json.loads(sys.argv[1] if len(sys.argv) > 1 else "{}")
+    megatron_on_cpu(0, 1, free_port())
+    import engine_megatron as em
+    import model_chunks
+    import moe_stats
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from schedule import lr_at
+
+    from stepdeploy.plan.layout import Layout
+    from stepdeploy.render.options import RenderOptions
+    from stepdeploy.render.workload import workload_config
+
+    spec = small_slice(s)
+    gbs = s["mbs"] * s["micro_batches"]
+    cfg = workload_config(spec, Layout(mbs=s["mbs"]), RenderOptions(run_id="t", seq_length=s["seq"],
+                          global_batch_size=gbs, iterations=s["schedule"] or s["steps"],
+                          warmup_iterations=s["warmup"]),
+                          engine="megatron", world=1, peak_tflops=790.0)
+    cfg["parallel"]["experts"] = "grouped_mm_eager"  # no compiler on CPU
+    torch.manual_seed(s["seed"])
+    ps.initialize_model_parallel(1, 1)
+    kwargs = em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True,
+                                                   "moe_token_dispatcher_type": "allgather"} | s["overrides"]
+    config = TransformerConfig(**kwargs)
+    chunks = model_chunks.wrap_chunks(model_chunks.build_chunks(cfg, config, em.build_model), config,
+                                      em.ddp_config_kwargs(cfg) | {"overlap_param_gather": False})
+    counts_dtype = str(next(m.local_tokens_per_expert.dtype for m in chunks[0].modules()
+                            if getattr(m, "local_tokens_per_expert", None) is not None))
+    converted = em.keep_router_counts_fp32(chunks) if s["fp32_counts"] else 0
+    model_chunks.attach_grad_sync(config, chunks, False)
+    cfg["parallel"]["optimizer"] = "foreach"
+    optimizer = model_chunks.build_optimizer(cfg, chunks)
+    for group in optimizer.param_groups:
+        group["weight_decay"] = em.WEIGHT_DECAY * group.get("wd_mult", 1.0)
+    model = chunks[0]
+    m = cfg["model"]
+    stats = moe_stats.RouterStats(m["num_layers"], s["experts"], s["topk"], "cpu")
+    stats.watch_megatron(model)
+    routers = [mod for mod in model.modules() if type(mod).__name__ == "TopKRouter"]
+    inputs: dict[int, torch.Tensor] = {}
+    for index, router in enumerate(routers):
+        router.register_forward_pre_hook(lambda _m, args, index=index: inputs.__setitem__(index, args[0].detach()))
+    stream, seq, mbs = byte_stream(), s["seq"], s["mbs"]
+    if s["data"] == "uniform":  # the same length of independent uniform bytes: no structure to route on
+        stream = torch.randint(0, 256, stream.shape, generator=torch.Generator().manual_seed(s["seed"]))
+    gen = torch.Generator().manual_seed(s["seed"])
+    positions = torch.arange(seq).unsqueeze(0).expand(mbs, -1)
+    forward_step = model_chunks.lm_forward_step(positions)
+    forward_backward = get_forward_backward_func()
+    steps = []
+    for iteration in range(1, s["steps"] + 1):
+        lr = lr_at(iteration, cfg["training"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        starts = torch.randint(0, stream.numel() - seq - 1, (s["micro_batches"], mbs), generator=gen)
+        feed = iter([(w[:, :-1].contiguous(), w[:, 1:].contiguous())
+                     for w in (torch.stack([stream[i:i + seq + 1] for i in row.tolist()]) for row in starts)])
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=feed, model=chunks,
+                                  num_microbatches=s["micro_batches"], seq_length=seq, micro_batch_size=mbs,
+                                  decoder_seq_length=seq, forward_only=False)
+        _ok, grad_norm, _ = optimizer.step()
+        got = stats.reduce()
+        steps.append({"it": iteration, "lr": round(lr, 7),
+                      "loss": round(float(sum(x["lm loss"] for x in losses) / len(losses)), 4),
+                      "grad_norm": round(float(grad_norm), 3), "load": got["moe_load"],
+                      "bias": got.get("router_bias"), "busiest_bias": got.get("router_bias_busiest"),
+                      "margin": [margin(r, inputs[i], s["topk"]) for i, r in enumerate(routers)]})
+    last = [{"bias_dtype": str(r.expert_bias.dtype), "bias": [round(float(b), 4) for b in r.expert_bias],
+             "counts_dtype": str(r.local_tokens_per_expert.dtype),
+             "weight_std": round(float(r.weight.float().std()), 5)} for r in routers]
+    print(json.dumps({"settings": s, "ceiling": s["experts"] / s["topk"], "steps": steps, "routers": last,
+                      "counts_dtype_wrapped": counts_dtype, "counts_converted": converted}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Why the Step-3.5-Flash slice's routers collapsed in the H200 soak (docs/benchmarks.md, call P), on CPU: a small
+model with the slice's router (sigmoid scores, expert bias, top-k scaling, fp32 router, auxiliary-loss-free
+balancing) trained on byte-level text through the megatron engine's own pieces (megatron_cpu_router.py).
+
+With the catalog's update rate (1e-3 per step, DeepSeek-V3's) one expert ends up in every token's top-k within a
+few steps although the bias update is applied, against that expert, every step: the router's own Adam updates
+raise the expert's score faster than the bias can lower it. Ten times the rate keeps this 128-wide model balanced,
+so the update does reach the routing (not a 512-wide one: the router's drift per step grows with the width;
+docs/benchmarks.md, call P). And the per-step figure that says so: the busiest expert's bias. The routers' token
+counters stay fp32 under Float16Module (keep_router_counts_fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core", reason="megatron-core not importable (pip install megatron-core==0.16.1)")
+from moe_stats import RouterStats, summarise  # noqa: E402  (conftest.py puts the workload directory on sys.path)
+
+STEPS, SCHEDULE = 12, 30  # the first 12 steps of a 30-step schedule (warm-up 3 to 3e-4, cosine)
+NEAR_CEILING = 0.9  # the soak's expert_load gate fails above 90 % of E/k
+
+
+def test_summarise_gives_the_busiest_experts_bias_per_layer() -> None:
+    counts = torch.tensor([[0.0, 0.0, 0.0], [9.0, 2.0, 1.0], [1.0, 1.0, 10.0]])
+    present = torch.tensor([0.0, 1.0, 1.0])
+    out = summarise(counts, torch.tensor([0.0, 12.0, 12.0]), present, torch.tensor([0.0, 0.02, 0.03]), True,
+                    busiest_bias=torch.tensor([0.0, -0.02, -0.01]))
+    assert out["router_bias_busiest"] == {"2": -0.02, "3": -0.01}
+    assert "router_bias_busiest" not in summarise(counts, torch.zeros(3), present, torch.zeros(3), False,
+                                                  busiest_bias=torch.zeros(3))
+
+
+def test_reduce_reads_the_bias_of_each_layers_busiest_expert() -> None:
+    class Router:
+        def __init__(self, bias: list[float]) -> None:
+            self.expert_bias = torch.tensor(bias)
+
+    stats = RouterStats(slots=2, experts=3, topk=1, device="cpu")  # no process group: this rank alone
+    for slot, bias in ((0, [0.003, -0.004, 0.001]), (1, [-0.002, 0.005, 0.001])):
+        stats.present[slot], stats.bias_of[slot] = 1.0, Router(bias)
+    stats.add(0, torch.tensor([1, 6, 1]), tokens=8)  # expert 1 busiest
+    stats.add(1, torch.tensor([5, 2, 1]), tokens=8)  # expert 0 busiest
+    out = stats.reduce()
+    assert out["router_bias_busiest"] == {"1": pytest.approx(-0.004), "2": pytest.approx(-0.002)}
+    assert out["router_bias"] == {"1": pytest.approx(0.004), "2": pytest.approx(0.005)}
+
+
+def train(settings: dict) -> dict:
+    script = Path(__file__).with_name("megatron_cpu_router.py")
+    proc = subprocess.run([sys.executable, str(script), json.dumps(settings)], capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict]:
+    base = {"steps": STEPS, "schedule": SCHEDULE}
+    return {"catalog": train(base),
+            "rate_1e-2": train(base | {"overrides": {"moe_router_bias_update_rate": 1e-2}})}
+
+
+def test_with_the_catalogs_rate_one_expert_takes_every_token_though_its_bias_falls(runs: dict[str, dict]) -> None:
+    run = runs["catalog"]
+    assert run["settings"]["overrides"] == {}  # the catalog's router: expert bias at 1e-3, no auxiliary loss
+    ceiling = run["ceiling"]
+    near = [(step["it"], layer) for step in run["steps"] for layer, load in step["load"].items()
+            if load > NEAR_CEILING * ceiling]
+    assert near, [step["load"] for step in run["steps"]]
+    for it, layer in near:  # the update did push against the busiest expert: it only could not keep up
+        step = run["steps"][it - 1]
+        assert step["busiest_bias"][layer] < 0, step
+
+
+def test_ten_times_the_update_rate_keeps_the_same_model_balanced(runs: dict[str, dict]) -> None:
+    run = runs["rate_1e-2"]
+    ceiling = run["ceiling"]
+    loads = [load for step in run["steps"] for load in step["load"].values()]
+    assert max(loads) < NEAR_CEILING * ceiling, [step["load"] for step in run["steps"]]
+    # the same data and start as the catalog run: it collapsed, this one did not
+    assert max(load for step in runs["catalog"]["steps"] for load in step["load"].values()) > max(loads)
+
+
+def test_the_routers_token_counts_stay_fp32_under_float16module(runs: dict[str, dict]) -> None:
+    run = runs["catalog"]
+    assert run["counts_dtype_wrapped"] == "torch.bfloat16"  # what Float16Module made of them
+    assert run["counts_converted"] == 3 and {r["counts_dtype"] for r in run["routers"]} == {"torch.float32"}
+
+
+def test_a_bf16_token_counter_stops_counting() -> None:
+    """Why: 1,000 micro-batches of 100 tokens for one expert."""
+    counts = {dtype: torch.zeros(1, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
+    for _ in range(1000):
+        for c in counts.values():
+            c += torch.tensor([100]).sum(dim=0)
+    assert float(counts[torch.float32]) == 100_000
+    assert float(counts[torch.bfloat16]) < 50_000
