@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# One H200 box without sshd, driven through the local executor (issue 19), and the optimizer offload against the
-# plan (issue 22). Node side as the python_env role would make it; the controller is this checkout on
-# PYTHONPATH. Then: preflight of the box; the dense proxy's soak with a kill (`rollout run --executor local`),
-# and nothing of it left after; render + `run launch` of the dense proxy with torch's foreach AdamW and with
-# megatron-core's HybridDeviceOptimizer (offload), 20 iterations each, peak memory and step time to compare with
-# `stepdeploy plan` (docs/benchmarks.md). Results in $OUT/local.tgz.
+# One H200 box without sshd, driven through the local executor (issue 19). Node side as the python_env role would
+# make it; the controller is this checkout on PYTHONPATH (bench/gpu_box.sh). Then: preflight of the box; the dense
+# proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after. Results in
+# $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout offload"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -19,7 +17,7 @@ mkdir -p "$keep"
 inv=/tmp/box.ini
 gpu_box_inventory "$inv"
 
-steps=" ${STEPS:-preflight rollout offload} "
+steps=" ${STEPS:-preflight rollout} "
 if [[ $steps == *" preflight "* ]]; then
 timeout 150 python3 -m stepdeploy preflight "$inv" --json > "$keep/preflight.json" 2> "$keep/preflight.log"
 echo "preflight exit $?"
@@ -37,17 +35,4 @@ left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
 echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-dense.log"
 fi
 
-[[ $steps == *" offload "* ]] && for v in foreach:mbs=4 offload:mbs=4,offload=on,precision_aware_optimizer=on; do
-    n=${v%%:*} layout=${v#*:}
-    run=/tmp/opt-$n
-    python3 -m stepdeploy render -i "$inv" -m proxy-0.7b-dense --stage warmup --iterations 20 --save-interval 0 \
-        --layout "$layout" --run-id "opt-$n" --out "$run" > "$keep/render-$n.log" 2>&1
-    started=$SECONDS
-    timeout 200 python3 -m stepdeploy run launch "$run" --executor local --follow > "$keep/launch-$n.log" 2>&1
-    echo "exit $? after $((SECONDS - started)) s" >> "$keep/launch-$n.log"
-    python3 -m stepdeploy run fetch "$run" --executor local > /dev/null 2>&1
-    find "$run" -name metrics.jsonl -path '*fetched*' -exec cp {} "$keep/metrics-$n.jsonl" \;
-    tail -n 1 "$keep/launch-$n.log"
-    tail -n 1 "$keep/metrics-$n.jsonl" | cut -c1-400
-done
 tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out local-dense

@@ -32,56 +32,51 @@ class ParallelReader(FileSystemReader):
         self.threads = threads
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return read_data(self, plan, planner, self.threads)
+        infos = [self.storage_data[item.storage_index] for item in plan.items]
+        if self.threads <= 1 or any(getattr(info, "transform_descriptors", None) for info in infos):
+            return super().read_data(plan, planner)  # transformed (compressed) items: torch's path
+        order = sorted(range(len(infos)), key=lambda i: (infos[i].relative_path, infos[i].offset))
+        lock = threading.Lock()
 
-
-def read_data(reader: FileSystemReader, plan: LoadPlan, planner: LoadPlanner, threads: int) -> Future[None]:
-    """What FileSystemReader.read_data does, over `threads` threads."""
-    infos = [reader.storage_data[item.storage_index] for item in plan.items]
-    if threads <= 1 or any(getattr(info, "transform_descriptors", None) for info in infos):
-        return FileSystemReader.read_data(reader, plan, planner)  # transformed (compressed) items: torch's path
-    order = sorted(range(len(infos)), key=lambda i: (infos[i].relative_path, infos[i].offset))
-    lock = threading.Lock()
-
-    def read(part: list[int]) -> None:
-        streams: dict[str, Any] = {}
-        try:
-            for i in part:
-                item, info = plan.items[i], infos[i]
-                stream = streams.get(info.relative_path)
-                if stream is None:
-                    stream = streams[info.relative_path] = open(  # noqa: SIM115 (closed below)
-                        reader.fs.concat_path(reader.path, info.relative_path), "rb")
-                stream.seek(info.offset)
-                data = io.BytesIO(stream.read(info.length))
-                if item.type == LoadItemType.BYTE_IO:
-                    with lock:
-                        planner.load_bytes(item, data)
-                    continue
-                tensor = torch.load(data, map_location="cpu", weights_only=True)
-                tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-                with lock:
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != tensor.size():
-                        raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs "
-                                             f"{tensor.size()}")
-                    if _stashed(planner):  # a tensor kept until commit_tensor: nothing in between
-                        target.copy_(tensor)
-                        planner.commit_tensor(item, target)
+        def read(part: list[int]) -> None:
+            streams: dict[str, Any] = {}
+            try:
+                for i in part:
+                    item, info = plan.items[i], infos[i]
+                    stream = streams.get(info.relative_path)
+                    if stream is None:
+                        stream = streams[info.relative_path] = open(  # noqa: SIM115 (closed below)
+                            self.fs.concat_path(self.path, info.relative_path), "rb")
+                    stream.seek(info.offset)
+                    data = io.BytesIO(stream.read(info.length))
+                    if item.type == LoadItemType.BYTE_IO:
+                        with lock:
+                            planner.load_bytes(item, data)
                         continue
-                target.copy_(tensor)  # the device copy (GIL released) beside the other threads' reads
-                with lock:
-                    planner.commit_tensor(item, target)
-        finally:
-            for stream in streams.values():
-                stream.close()
+                    tensor = torch.load(data, map_location="cpu", weights_only=True)
+                    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                    with lock:
+                        target = planner.resolve_tensor(item).detach()
+                        if target.size() != tensor.size():
+                            raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs "
+                                                 f"{tensor.size()}")
+                        if _stashed(planner):  # a tensor kept until commit_tensor: nothing in between
+                            target.copy_(tensor)
+                            planner.commit_tensor(item, target)
+                            continue
+                    target.copy_(tensor)  # the device copy (GIL released) beside the other threads' reads
+                    with lock:
+                        planner.commit_tensor(item, target)
+            finally:
+                for stream in streams.values():
+                    stream.close()
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-read") as pool:
-        for done in [pool.submit(read, part) for part in _split(order, infos, threads)]:
-            done.result()  # the first error, raised here
-    result: Future[None] = Future()
-    result.set_result(None)
-    return result
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="checkpoint-read") as pool:
+            for done in [pool.submit(read, part) for part in _split(order, infos, self.threads)]:
+                done.result()  # the first error, raised here
+        result: Future[None] = Future()
+        result.set_result(None)
+        return result
 
 
 def _stashed(planner: LoadPlanner) -> bool:

@@ -139,7 +139,7 @@ TE_FIX = ("install TransformerEngine into the training environment, built for th
           "(pip install --no-build-isolation 'transformer_engine[pytorch]'), or choose a layout with cp=1")
 
 
-def layout_needs(needs: tuple[str, ...], package: str) -> list[str]:
+def why_needed(needs: tuple[str, ...], package: str) -> list[str]:
     """Why the layout needs `package`: plan/engines.needs writes each need as 'package: why'."""
     return [why.strip() for key, _, why in (n.partition(":") for n in needs) if key.strip() == package]
 
@@ -149,7 +149,7 @@ def check_transformer_engine(section: Section, exp: Expect) -> Result:
     parallelism) fails on a node without it, or where it does not import; otherwise its absence is a fact."""
     env = python_env(section) or {}
     found, error = env.get("transformer_engine"), env.get("transformer_engine_error")
-    why = layout_needs(exp.needs, "transformer_engine")
+    why = why_needed(exp.needs, "transformer_engine")
     if why:
         wanted = f"installed: the layout needs {'; '.join(why)}"
         if not found:
