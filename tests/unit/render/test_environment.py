@@ -99,3 +99,9 @@ def test_optimizer_offload_gives_each_rank_its_share_of_the_nodes_cpus(tmp_path:
                            capture_output=True, text=True, check=True).stdout.split()
     expected = max(1, len(os.sched_getaffinity(0)) // 8)  # nproc: the CPUs this process may use
     assert shown == [str(expected), "$((", "1", "+", "1", "))"]  # a value given by the user stays literal
+
+
+def test_torch_asks_for_huge_pages_on_gpu_and_cpu_nodes() -> None:
+    """The checkpoint read's host copies (issue 20's restart): THP_MEM_ALLOC_ENABLE is torch's own switch."""
+    cpu = Node(name="cpu-1", address="192.0.2.9")
+    assert env_of(SPARK)[0]["THP_MEM_ALLOC_ENABLE"] == env_of(cpu)[0]["THP_MEM_ALLOC_ENABLE"] == "1"
