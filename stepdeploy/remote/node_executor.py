@@ -51,6 +51,7 @@ class NodeExecutor:
     kind = "nodes"
     python = "python3"  # the nodes' interpreter for node_probe.py (standard library only)
     one_machine = False  # every target is the same machine (the local executor)
+    poll_interval_s = 2.0  # how often a rollout polls the run (RolloutConfig.poll_interval_s overrides)
 
     def __init__(self, run_id: str, run_dir: str, targets: Iterable[Target]) -> None:
         self.run_id, self.run_dir = run_id, run_dir

@@ -46,7 +46,7 @@ class RolloutConfig:
     soak_max_restarts: int = 3
     attempt_timeout_s: float = 1800.0
     pg_timeout_s: int = 60
-    poll_interval_s: float = 2.0
+    poll_interval_s: float | None = None  # None: the executor's own (local 0.5 s: a detection sooner; SSH/Slurm 2 s)
     seq_length: int | None = None
     global_batch_size: int | None = None
     executor: ExecutorKind | None = None  # None: remote/registry.py's default_kind
@@ -103,3 +103,14 @@ def parse_checkpoint_interval(text: str) -> int | str:
     if iterations < 1:
         raise BadInput(f"--checkpoint-interval {iterations} must be at least 1 (or auto)")
     return iterations
+
+
+DEFAULT_POLL_INTERVAL_S = 2.0
+
+
+def poll_interval(config: RolloutConfig, executor: Any) -> float:
+    """How often the rollout polls the run: the configuration's, else the executor's own (its poll's cost: the local
+    executor's is two local processes, an SSH executor's round trips to every node), else 2 s."""
+    if config.poll_interval_s is not None:
+        return config.poll_interval_s
+    return float(getattr(executor, "poll_interval_s", DEFAULT_POLL_INTERVAL_S))

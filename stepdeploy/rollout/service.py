@@ -36,7 +36,7 @@ from stepdeploy.rollout.attempt import (
     render_attempt,
 )
 from stepdeploy.rollout.clock import REAL, Clock
-from stepdeploy.rollout.config import RolloutConfig, StageFailed
+from stepdeploy.rollout.config import RolloutConfig, StageFailed, poll_interval
 from stepdeploy.rollout.inject import FaultActions
 from stepdeploy.rollout.ladder import Rung
 
@@ -128,7 +128,7 @@ class AttemptService:
         following raised (nothing is left running behind an attempt that ends with an error)."""
         self.live = Live(stage=stage, rung=rung.name, total=total, started=self.clock.time(), deadline=deadline)
         try:
-            status, why = follow(executor, self.live, deadline=deadline, interval=self.config.poll_interval_s,
+            status, why = follow(executor, self.live, deadline=deadline, interval=poll_interval(self.config, executor),
                                  should_stop=self.stop_requested, on_tick=self.on_tick, check=check, clock=self.clock)
         except Exception:
             executor.stop()
