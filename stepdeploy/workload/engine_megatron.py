@@ -240,11 +240,12 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     forward_step = model_chunks.lm_forward_step(positions)
     forward_backward = get_forward_backward_func()
     ckpt_dir, load_parts = out_dir / "checkpoints", {}
+    # the save's one-off set-up starts now, in the background, when this run saves at all: the writer processes it
+    # spawns start while the checkpoint is read (the GPU idle), not beside the first step
+    saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), rank, prepare=bool(t["save_interval"]))
     loading = time.time()
     start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank, load_parts, resume_from)
     files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
-    # the save's one-off set-up starts now, in the background, when this run saves at all
-    saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), rank, prepare=bool(t["save_interval"]))
     for group in optimizer.param_groups:
         # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
         group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import inspect
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import ckpt
 import torch
 import torch.distributed as dist
+from megatron_writer import SETUP_EXIT_WAIT_S, SaveSetup, pin_ahead, pin_host_blocks, writer_environment, writer_kind
 from metrics import log
 
 
@@ -26,8 +26,11 @@ class Saver:
     """megatron-core dist-checkpointing saves, asynchronous by default (STEPDEPLOY_CKPT_ASYNC=0: synchronous).
 
     The foreground -- the step loop waits for it, the heartbeat says "saving" -- builds the sharded state dict,
-    plans the save and copies the tensors to host memory; a forked process (megatron-core's AsyncCallsQueue,
-    TemporalAsyncCaller) writes and fsyncs them. poll(), called by every rank after every step, finalizes the
+    plans the save and has the tensors copied to host memory; a writer process writes and fsyncs them. The writer
+    (writer_kind()) is megatron-core's persistent worker by default (AsyncCallsQueue(persistent=True): one process
+    per rank, spawned once, which makes the host copies itself from the rank's GPU tensors and keeps its
+    page-locked memory between saves), or a process forked per save (TemporalAsyncCaller; the host copies made
+    by the rank). poll(), called by every rank after every step, finalizes the
     save once every rank's write ended (megatron's finalize: write results gathered, metadata written); then rank
     0 seals the staging directory and commits it (ckpt.py) and applies retention. At most one save in flight: the
     next save and the end of training wait for it. The staging directory's name carries a token of this start,
@@ -40,6 +43,9 @@ class Saver:
     def __init__(self, ckpt_dir: Path, files: Any, keep: int, rank: int, prepare: bool = True) -> None:
         self.ckpt_dir, self.files, self.keep, self.rank = ckpt_dir, files, keep, rank
         self.asynchronous = os.environ.get("STEPDEPLOY_CKPT_ASYNC", "1") != "0"
+        self.persistent = self.asynchronous and writer_kind() == "persistent"
+        self.warming: float | None = None  # when the writer's host memory set-up was scheduled (persistent)
+        self.warming_bytes = 0
         token = [ckpt.new_token() if rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         self.token = token[0]
@@ -47,7 +53,7 @@ class Saver:
         self.pending: dict[str, Any] | None = None
         # STEPDEPLOY_CKPT_SETUP=0 (`render --env`): no set-up beforehand, the first save does it (to compare)
         prepare = prepare and os.environ.get("STEPDEPLOY_CKPT_SETUP", "1") != "0"
-        self.setup = SaveSetup(files, rank) if prepare else None
+        self.setup = SaveSetup(files, rank, self.persistent) if prepare else None
         # a stop or a crash: end the writer process before multiprocessing's exit handler would wait for it
         atexit.register(self.abort)
 
@@ -76,7 +82,7 @@ class Saver:
                 request = dist_checkpointing.save(state, str(staging), content_metadata=content,
                                                   async_sharded_save=True, **_async_options(dist_checkpointing))
                 request.add_finalize_fn(seal)
-                self._queue().schedule_async_request(request)
+                self._schedule(request)
             else:
                 dist_checkpointing.save(state, str(staging), content_metadata=content)
                 seal()
@@ -88,36 +94,58 @@ class Saver:
             self._commit(self.pending, ended)
 
     def prepare_host_memory(self, model: Any, optimizer: Any) -> None:
-        """After the first step (the optimizer's state exists then), on GPUs: the host memory the save copies the
-        tensors into, page-locked in the background (SaveSetup.pin)."""
-        if not pin_ahead():
+        """After the first step (the optimizer's state exists then), on GPUs, every rank: the host memory the save
+        copies the tensors into, page-locked in the background -- by the persistent writer (its first request, which
+        the step loop does not wait for: pin_host_blocks), or, with the forked writer and pin_ahead(), by a thread
+        of this process (SaveSetup.pin)."""
+        if self.setup is None or not torch.cuda.is_available() or not (self.persistent or pin_ahead()):
             return
-        if self.setup is not None and torch.cuda.is_available():
-            try:
-                sizes = host_copy_sizes(model, optimizer)
-            except Exception as exc:  # only a head start: the first save then page-locks its own memory
-                log(self.rank, f"checkpoint set-up (host_memory) skipped: {exc!r}")
-                return
-            self.setup.pin(sizes)
+        try:
+            sizes = host_copy_sizes(model, optimizer)
+        except Exception as exc:  # only a head start: the first save then page-locks its own memory
+            sizes = []
+            log(self.rank, f"checkpoint set-up (host_memory) skipped: {exc!r}")
+        if not self.persistent:
+            if sizes:
+                self.setup.pin(sizes)
+            return
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+        # every rank schedules it (megatron finalizes each request with a collective), sizes or none
+        self.setup.wait()
+        self.warming, self.warming_bytes = time.time(), sum(sizes)
+        self._schedule(AsyncRequest(functools.partial(pin_host_blocks, sizes), (), []))
 
     def poll(self, blocking: bool = False) -> bool:
         """Every rank, after every step: commit the save in flight once every rank's write ended (one small
         all-reduce while one is in flight; blocking: wait for it). True when it committed one."""
-        if self.pending is None:
+        if self.pending is None and self.warming is None:
             return False
         polled = time.time()
         if self.queue is not None and self.queue.get_num_unfinalized_calls():
             self.queue.maybe_finalize_async_calls(blocking=blocking)
             if self.queue.get_num_unfinalized_calls():
                 return False
+        if self.warming is not None:  # the writer's host memory is page-locked (the request before any save's)
+            self.files.phase("save_setup", part="writer_host_memory", began=self.warming,
+                             seconds=round(polled - self.warming, 3), done=f"{self.warming_bytes / 2**30:.2f} GiB")
+            self.warming = None
+        if self.pending is None:
+            return False
         self._commit(self.pending, polled)
         return True
 
     def finish(self, iteration: int) -> None:
-        """The end of training: wait for the save in flight and commit it (the heartbeat says "saving")."""
+        """The end of training: wait for the save in flight and commit it (the heartbeat says "saving"), then end the
+        persistent writer."""
         if self.pending is not None:
             with self.files.saving(iteration):
                 self.poll(blocking=True)
+        if self.persistent and self.queue is not None:  # the writer ends with nothing in flight (not aborted)
+            with contextlib.suppress(Exception):
+                self.poll(blocking=True)
+                self.queue.close()
+            self.queue = None
 
     def abort(self) -> None:
         """A stop or a failure: end the write in flight without committing it (what it left is not sealed).
@@ -129,14 +157,23 @@ class Saver:
         if self.queue is not None:
             with contextlib.suppress(Exception):
                 self.queue.close(abort=True)
-        self.queue = self.pending = None
+        self.queue = self.pending = self.warming = None
 
-    def _queue(self) -> Any:
+    def _schedule(self, request: Any) -> None:
         if self.queue is None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-            self.queue = AsyncCallsQueue()
-        return self.queue
+            self.queue = AsyncCallsQueue(persistent=self.persistent)
+        if self.persistent:
+            # megatron-core waits for the worker's host copies without a timeout: a dead worker would hang this rank
+            writer = getattr(self.queue._get_async_caller(), "process", None)
+            if writer is not None and not writer.is_alive():
+                raise RuntimeError(f"the checkpoint writer process (pid {writer.pid}) has died "
+                                   f"(exit code {writer.exitcode}): no save can be written")
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the writer reads this rank's tensors from its own CUDA context
+        with writer_environment(self.persistent):  # megatron-core 0.16 spawns the worker at its first request
+            self.queue.schedule_async_request(request)
 
     def _seal(self, staging: Path, iteration: int, content: dict[str, Any]) -> None:
         """The last finalize step, after megatron's (every rank's write ended, metadata written): rank 0 seals."""
@@ -160,88 +197,6 @@ class Saver:
         self.files.phase("save_committed", now, iteration=iteration, began=pending["began"],
                          background_s=round(max(written - pending["ended"], 0.0), 4),
                          commit_s=round(now - polled, 4))
-
-
-SETUP_EXIT_WAIT_S = 60.0
-
-
-class SaveSetup:
-    """The one-off set-up of megatron-core's save, which a process's first save otherwise pays inside its blocking
-    window (4.9-8.5 s on an H200; 2.6-3.0 s of a tiny model's first save on a CPU, whose later saves block
-    0.1-0.2 s: docs/benchmarks.md), done by a background thread while the first steps run:
-
-    - the writer's results queue: megatron-core's FileSystemWriterAsync creates it on first use, once per process,
-      as a multiprocessing Manager -- a server process started with "spawn", a fresh interpreter that imports torch
-      and re-runs the main module's imports -- and keeps it in a module global (0.16 `_get_write_results_queue`,
-      0.19 `get_write_results_queue`: the same global, which the save then finds made);
-    - the imports of the save's strategy (torch.distributed.checkpoint's planner and writer);
-    - on GPUs, after the first step: pinned host memory for the device-to-host copy. The save copies each tensor
-      with `.to("cpu", non_blocking=True)`, into page-locked memory from torch's caching host allocator, which
-      keeps freed blocks in power-of-two size bins and reuses only a block of the same bin: a later save reuses
-      the first one's blocks, the first one page-locks them (cudaHostAlloc, about the checkpoint's size). pin()
-      allocates a block per tensor of the sizes the save will copy, all held at once as the save holds them, then
-      frees them into the cache (the memory the first save would keep cached anyway, held a little earlier).
-
-    save() waits for the thread (inside its "saving" window: a first save sooner than the set-up waits for the
-    rest of it, and no longer than it would have taken there). What is written does not change."""
-
-    def __init__(self, files: Any, rank: int) -> None:
-        self.files, self.rank = files, rank
-        self.threads: list[threading.Thread] = []
-        self._start("writer", write_results_queue)
-
-    def pin(self, sizes: list[int]) -> None:
-        device = torch.cuda.current_device()
-
-        def pin_blocks() -> str:
-            torch.cuda.set_device(device)
-            held = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
-            return f"{len(held)} blocks, {sum(sizes) / 2**30:.2f} GiB"
-        self._start("host_memory", pin_blocks)
-
-    def wait(self, timeout: float | None = None) -> float:
-        """Wait for the set-up in progress (`timeout`: for each part). -> the seconds waited"""
-        began = time.time()
-        for thread in self.threads:
-            thread.join(timeout)
-        self.threads = [thread for thread in self.threads if thread.is_alive()]
-        return time.time() - began
-
-    def _start(self, part: str, work: Any) -> None:
-        def run() -> None:
-            began = time.time()
-            try:
-                done = work()
-            except Exception as exc:  # the save then does it itself, as before
-                log(self.rank, f"checkpoint set-up ({part}) failed, the first save will do it: {exc!r}")
-                return
-            self.files.phase("save_setup", part=part, began=began, seconds=round(time.time() - began, 3),
-                             **({"done": done} if isinstance(done, str) else {}))
-
-        thread = threading.Thread(target=run, name=f"checkpoint-setup-{part}", daemon=True)
-        thread.start()
-        self.threads.append(thread)
-
-
-def pin_ahead() -> bool:
-    """Whether to page-lock the save's host memory ahead (STEPDEPLOY_CKPT_PIN_AHEAD=1; off by default). Measured on
-    an H200 (docs/benchmarks.md, issue 21) it does not pay either way:
-    - torch's default host allocator (cudaHostAlloc): the 9.63 GiB locked in a thread stalled the step loop as long
-      as the save would have (step 2: 7.67 s against 0.63 s), so the first save's stall only moved into a step;
-    - with PYTORCH_CUDA_ALLOC_CONF's pinned_use_cuda_host_register (malloc + cudaHostRegister, 8 threads) the loop
-      ran on (steps 2-6: 0.64-0.71 s; a first host copy of 10 GiB took 2.0-2.4 s instead of 5.1-12.8 s), but the
-      first save then blocked 8.9 s: megatron-core's writer is a process forked per save, and a fork copies
-      registered anonymous memory at once (8.1 s with 10 GiB registered; 0.008 s with cudaHostAlloc's)."""
-    return os.environ.get("STEPDEPLOY_CKPT_PIN_AHEAD", "0") == "1"
-
-
-def write_results_queue() -> Any:
-    """megatron-core's write-results queue, created (a Manager process) on the first call in this process."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.dist_checkpointing.strategies import torch as _torch_strategy  # noqa: F401 (its imports)
-
-    make = getattr(filesystem_async, "get_write_results_queue", None)  # 0.19
-    return (make or filesystem_async._get_write_results_queue)()  # 0.16
 
 
 def host_copy_sizes(model: Any, optimizer: Any, device_type: str = "cuda") -> list[int]:

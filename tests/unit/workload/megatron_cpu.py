@@ -17,6 +17,22 @@ import torch
 WORKLOAD = Path(__file__).resolve().parents[3] / "stepdeploy" / "workload"
 
 
+def _spawned_from_a_cpu_script() -> None:
+    """A process multiprocessing spawned from one of these scripts re-imports the script, and this module: one on
+    the CPU is megatron-core's persistent checkpoint writer (or a Manager), whose CUDA calls (set_device to the
+    rank's GPU, synchronize after its host copies) have nothing to do here."""
+    import multiprocessing
+
+    # a spawned child imports its parent's main module while it is "inheriting" (multiprocessing/spawn.py)
+    if getattr(multiprocessing.current_process(), "_inheriting", False) and not torch.cuda.is_available():
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda _device: None
+        torch.cuda.synchronize = lambda *_args, **_kwargs: None
+
+
+_spawned_from_a_cpu_script()
+
+
 def megatron_on_cpu(rank: int, world: int, port: int) -> None:
     """Make stepdeploy/workload importable, point megatron-core's CUDA calls at the CPU, join a gloo group of
     `world` ranks on 127.0.0.1:port, and have gloo carry megatron's collectives one by one."""

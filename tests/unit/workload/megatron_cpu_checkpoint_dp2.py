@@ -15,6 +15,8 @@ import torch
 import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import megatron_cpu  # noqa: E402,F401 (a process spawned from here -- a rank's checkpoint writer -- needs its set-up)
 
 
 def rank_main(rank: int, port: int, workdir: str) -> None:

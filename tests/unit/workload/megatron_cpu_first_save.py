@@ -2,7 +2,7 @@
 Saver on CPU (gloo, world 1, megatron-core's real DDP, DistributedOptimizer and dist-checkpointing), a few steps
 between asynchronous saves, as the engine's loop takes them.
 
-    megatron_cpu_first_save.py WORKDIR [--model tiny-dense] [--saves 3] [--steps 4] [--no-setup]
+    megatron_cpu_first_save.py WORKDIR [--model tiny-dense] [--saves 3] [--steps 4] [--no-setup] [--writer fork]
 
 --no-setup: the Saver without its set-up (SaveSetup), as before issue 21's fix. Prints one JSON line: each save's
 `save` phase line, the `save_setup` lines, the thread that started each multiprocessing Manager of this process
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing.process
+import os
 import shutil
 import threading
 from multiprocessing import managers
@@ -24,6 +26,8 @@ from megatron_cpu import dense_model_and_optimizer, free_port, megatron_on_cpu, 
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.writer:
+        os.environ["STEPDEPLOY_CKPT_WRITER"] = args.writer
     manager_threads: list[str] = []
     start = managers.BaseManager.start
 
@@ -32,9 +36,19 @@ def main(args: argparse.Namespace) -> None:
         return start(self, *a, **k)
 
     managers.BaseManager.start = recorded_start
+    writers: list[int] = []  # the persistent writer processes started (megatron-core's async_loop as their target)
+    process_start = multiprocessing.process.BaseProcess.start
+
+    def recorded_process_start(self: Any) -> None:
+        if getattr(getattr(self, "_target", None), "__name__", None) == "async_loop":
+            writers.append(1)
+        process_start(self)
+
+    multiprocessing.process.BaseProcess.start = recorded_process_start
     megatron_on_cpu(0, 1, free_port())
     import engine_megatron as em
     import megatron_ckpt
+    import megatron_writer
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from metrics import RankFiles
@@ -51,7 +65,8 @@ def main(args: argparse.Namespace) -> None:
         copied.append([t.numel() * t.element_size() for _f, _k, (_b, tensors) in write_buckets for _i, t in tensors])
         return preload(write_buckets, *a, **k)
 
-    FileSystemWriterAsync.preload_tensors = staticmethod(recorded_preload)
+    if megatron_writer.writer_kind() == "fork":  # the persistent writer gets the preload pickled: a local one is not
+        FileSystemWriterAsync.preload_tensors = staticmethod(recorded_preload)
 
     cfg = workload_config(load_model(args.model), Layout(mbs=2), RenderOptions(run_id="t", seq_length=32,
                           global_batch_size=2), engine="megatron", world=1, peak_tflops=790.0)
@@ -82,7 +97,7 @@ def main(args: argparse.Namespace) -> None:
     phases = [json.loads(line) for line in (workdir / "out" / "phases.jsonl").read_text().splitlines()]
     print(json.dumps({"saves": [p for p in phases if p["phase"] == "save"],
                       "setup": [p for p in phases if p["phase"] == "save_setup"],
-                      "manager_threads": manager_threads,
+                      "manager_threads": manager_threads, "writer_processes": len(writers),
                       "first_save_copied": copied[0] if copied else [], "predicted": predicted,
                       "committed": sorted(p.name for p in ckpt_dir.iterdir())}))
 
@@ -94,4 +109,5 @@ if __name__ == "__main__":
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps before each save")
     parser.add_argument("--no-setup", action="store_true", help="the Saver without its set-up (before the fix)")
+    parser.add_argument("--writer", choices=("persistent", "fork"), help="STEPDEPLOY_CKPT_WRITER (default: its own)")
     main(parser.parse_args())

@@ -1,0 +1,159 @@
+"""The megatron engine's checkpoint writer process and the set-up a process's first save would otherwise pay inside
+its blocking window: which writer (persistent or forked per save), its environment, megatron-core's write-results
+queue, and page-locked host memory ahead. Standard library + torch + megatron-core only (shipped as a file)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+from metrics import log
+
+SETUP_EXIT_WAIT_S = 60.0
+
+
+class SaveSetup:
+    """The one-off set-up of megatron-core's save, which a process's first save otherwise pays inside its blocking
+    window (4.9-8.5 s on an H200; 2.6-3.0 s of a tiny model's first save on a CPU, whose later saves block
+    0.1-0.2 s: docs/benchmarks.md), done by a background thread while the first steps run:
+
+    - the writer's results queue: megatron-core's FileSystemWriterAsync creates it on first use, once per process,
+      as a multiprocessing Manager -- a server process started with "spawn", a fresh interpreter that imports torch
+      and re-runs the main module's imports -- and keeps it in a module global (0.16 `_get_write_results_queue`,
+      0.19 `get_write_results_queue`: the same global, which the save then finds made);
+    - the imports of the save's strategy (torch.distributed.checkpoint's planner and writer);
+    - on GPUs, after the first step: pinned host memory for the device-to-host copy. The save copies each tensor
+      with `.to("cpu", non_blocking=True)`, into page-locked memory from torch's caching host allocator, which
+      keeps freed blocks in power-of-two size bins and reuses only a block of the same bin: a later save reuses
+      the first one's blocks, the first one page-locks them (cudaHostAlloc, about the checkpoint's size). pin()
+      allocates a block per tensor of the sizes the save will copy, all held at once as the save holds them, then
+      frees them into the cache (the memory the first save would keep cached anyway, held a little earlier).
+
+    save() waits for the thread (inside its "saving" window: a first save sooner than the set-up waits for the
+    rest of it, and no longer than it would have taken there). What is written does not change."""
+
+    def __init__(self, files: Any, rank: int, persistent: bool = False) -> None:
+        self.files, self.rank = files, rank
+        self.threads: list[threading.Thread] = []
+        self._start("writer", functools.partial(start_writer, rank, persistent))
+
+    def pin(self, sizes: list[int]) -> None:
+        device = torch.cuda.current_device()
+
+        def pin_blocks() -> str:
+            torch.cuda.set_device(device)
+            held = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
+            return f"{len(held)} blocks, {sum(sizes) / 2**30:.2f} GiB"
+        self._start("host_memory", pin_blocks)
+
+    def wait(self, timeout: float | None = None) -> float:
+        """Wait for the set-up in progress (`timeout`: for each part). -> the seconds waited"""
+        began = time.time()
+        for thread in self.threads:
+            thread.join(timeout)
+        self.threads = [thread for thread in self.threads if thread.is_alive()]
+        return time.time() - began
+
+    def _start(self, part: str, work: Any) -> None:
+        def run() -> None:
+            began = time.time()
+            try:
+                done = work()
+            except Exception as exc:  # the save then does it itself, as before
+                log(self.rank, f"checkpoint set-up ({part}) failed, the first save will do it: {exc!r}")
+                return
+            self.files.phase("save_setup", part=part, began=began, seconds=round(time.time() - began, 3),
+                             **({"done": done} if isinstance(done, str) else {}))
+
+        thread = threading.Thread(target=run, name=f"checkpoint-setup-{part}", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+
+def pin_ahead() -> bool:
+    """Whether to page-lock the save's host memory ahead (STEPDEPLOY_CKPT_PIN_AHEAD=1; off by default). Measured on
+    an H200 (docs/benchmarks.md, issue 21) it does not pay either way:
+    - torch's default host allocator (cudaHostAlloc): the 9.63 GiB locked in a thread stalled the step loop as long
+      as the save would have (step 2: 7.67 s against 0.63 s), so the first save's stall only moved into a step;
+    - with PYTORCH_CUDA_ALLOC_CONF's pinned_use_cuda_host_register (malloc + cudaHostRegister, 8 threads) the loop
+      ran on (steps 2-6: 0.64-0.71 s; a first host copy of 10 GiB took 2.0-2.4 s instead of 5.1-12.8 s), but the
+      first save then blocked 8.9 s: megatron-core's writer is a process forked per save, and a fork copies
+      registered anonymous memory at once (8.1 s with 10 GiB registered; 0.008 s with cudaHostAlloc's)."""
+    return os.environ.get("STEPDEPLOY_CKPT_PIN_AHEAD", "0") == "1"
+
+
+def writer_kind() -> str:
+    """The asynchronous save's writer process (STEPDEPLOY_CKPT_WRITER):
+
+    - persistent (the default): megatron-core's persistent worker, spawned once per rank; it copies the tensors to
+      its own page-locked host memory, which it keeps between saves and locks ahead, before the first save, with
+      cudaHostRegister (writer_environment): a process's first save then blocks as briefly as the later ones;
+    - fork: a process forked per save from the rank, which makes the host copies itself (the first save page-locks
+      its memory with cudaHostAlloc inside the blocking window: 5-7 s on an H200, docs/benchmarks.md)."""
+    kind = os.environ.get("STEPDEPLOY_CKPT_WRITER", "persistent")
+    if kind not in ("persistent", "fork"):
+        raise ValueError(f"STEPDEPLOY_CKPT_WRITER={kind!r}: persistent or fork")
+    return kind
+
+
+# the persistent writer's page-locked memory: malloc + cudaHostRegister over 8 threads (2.0-2.4 s for 10 GiB on an
+# H200, a GPU loop beside it +15 %; cudaHostAlloc 5.1-12.8 s and 12-35x). Registered memory makes every fork of its
+# process copy it (8.1 s for 10 GiB): the writer never forks, the rank keeps cudaHostAlloc.
+WRITER_HOST_ALLOC = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
+@contextlib.contextmanager
+def writer_environment(persistent: bool) -> Any:
+    """While the persistent writer is spawned: its PYTORCH_CUDA_ALLOC_CONF adds WRITER_HOST_ALLOC (a spawned process
+    reads the environment as it is then; this process's allocator read its settings long before)."""
+    if not persistent:
+        yield
+        return
+    before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (before, WRITER_HOST_ALLOC)))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        else:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = before
+
+
+def start_writer(rank: int, persistent: bool) -> str | None:
+    """The set-up's writer part: megatron-core's write-results queue, and the persistent worker where megatron-core
+    can start it ahead (0.19's warmup_persistent_caller; 0.16 starts it at the first request)."""
+    write_results_queue()
+    if not persistent:
+        return None
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    warmup = getattr(AsyncCallsQueue, "warmup_persistent_caller", None)
+    if warmup is None:
+        return None
+    with writer_environment(True):
+        warmup(rank)
+    return "persistent writer started"
+
+
+def pin_host_blocks(sizes: list[int]) -> None:
+    """In the persistent writer: page-lock one host block per tensor a save copies, all held at once as a save
+    holds them, then free them into torch's caching host allocator, whose blocks the save's copies then reuse (it
+    reuses a freed block of the same power-of-two bin only)."""
+    if sizes and torch.cuda.is_available():
+        held = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
+        del held
+
+
+def write_results_queue() -> Any:
+    """megatron-core's write-results queue, created (a Manager process) on the first call in this process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import torch as _torch_strategy  # noqa: F401 (its imports)
+
+    make = getattr(filesystem_async, "get_write_results_queue", None)  # 0.19
+    return (make or filesystem_async._get_write_results_queue)()  # 0.16
