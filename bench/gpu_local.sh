@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One H200 box without sshd, driven through the local executor (issue 19). Node side as the python_env role would
 # make it; the controller is this checkout on PYTHONPATH (bench/gpu_box.sh). Then: preflight of the box; the dense
-# proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after. Results in
+# proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after; with STEPS naming moe, the
+# Step-3.5-Flash slice's rollout (warmup, scale, soak with checkpoints and a kill) on prepared data. Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout moe"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -35,4 +36,24 @@ left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
 echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-dense.log"
 fi
 
-tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out local-dense
+if [[ $steps == *" moe "* ]]; then
+# the Step-3.5-Flash slice (an MoE target: the MoE proxy in its ladder) on prepared data, a checkpoint at iteration
+# 30 of the soak (the MoE save's stall, issue 21) and a kill after it. A checkpoint is ~48 GB: the box's /dev/shm
+# (half its 128 GiB) holds one, so one is kept and the soak ends before the restarted run's next save
+python3 -m stepdeploy data prepare README.md docs --out /tmp/corpus --json > "$keep/data.json" 2> "$keep/data.log"
+df -h /dev/shm | tee "$keep/shm.txt"
+started=$SECONDS
+timeout "${MOE_TIMEOUT:-450}" python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir /tmp/local-moe \
+    -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak --warmup-iterations 6 --scale-iterations 10 \
+    --soak-duration "${MOE_SOAK:-150s}" --checkpoint-interval 30 --keep-checkpoints 1 --inject kill:rank=last@90s \
+    --data /tmp/corpus > "$keep/local-moe.log" 2>&1
+echo "exit $? after $((SECONDS - started)) s" >> "$keep/local-moe.log"
+tail -n 2 "$keep/local-moe.log"
+python3 -m stepdeploy report /tmp/local-moe > "$keep/local-moe-report.txt" 2>&1
+left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
+echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-moe.log"
+fi
+
+runs=()
+for run in local-dense local-moe; do [ -d "/tmp/$run" ] && runs+=("$run"); done
+tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out "${runs[@]}"

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 21's goodput goal on one H200: a 20-minute soak of the dense proxy, a checkpoint about every minute (90
+# iterations at ~0.645 s), one kill -9 at 10 minutes, driven through the local executor (`stepdeploy rollout run
+# --executor local`). One device call lasts at most 10 minutes, so the rollout runs in a session of its own
+# (setsid: the device machine keeps such a process between calls while it stays warm) and later calls wait for it:
+#
+#   OUT=$OUT bash bench/gpu_soak20.sh start .whl     # first call: set the box up, start the rollout, return
+#   OUT=$OUT bash bench/gpu_soak20.sh wait .whl      # next calls, back to back: wait up to 9 min; when the rollout
+#                                                    # ended, its report and files in $OUT/soak20.tgz
+set -uo pipefail
+mode=${1:?start or wait}
+wheels=${2:?the wheels directory}
+out=${OUT:?set OUT}
+umask 077
+# shellcheck source=bench/gpu_box.sh
+source bench/gpu_box.sh
+keep=/tmp/soak20-out
+run=/tmp/soak20
+case $mode in
+    start)
+        gpu_box_setup "$wheels"
+        mkdir -p "$keep"
+        gpu_box_inventory /tmp/box.ini
+        setsid nohup bash -c 'python3 -m stepdeploy rollout run -i /tmp/box.ini --executor local --run-dir "$1" \
+            -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 20m \
+            --checkpoint-interval 90 --inject kill:rank=last@10m > "$2/soak20.log" 2>&1; echo "exit $?" > "$2/done"' \
+            _ "$run" "$keep" < /dev/null > /dev/null 2>&1 &
+        sleep 5
+        echo "started: $(head -c 300 "$keep/soak20.log")" ;;
+    wait)
+        export PYTHONPATH=/tmp/site:$PWD
+        for _ in $(seq 1 108); do [ -e "$keep/done" ] && break; sleep 5; done
+        tail -n 3 "$keep/soak20.log"
+        if [ -e "$keep/done" ]; then
+            cat "$keep/done"
+            python3 -m stepdeploy report "$run" > "$keep/soak20-report.txt" 2>&1
+            python3 -m stepdeploy report "$run" --json > "$keep/soak20-report.json" 2>/dev/null
+            left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
+            echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/soak20.log"
+            grep -i "goodput" "$keep/soak20-report.txt" | head -3
+            tar -czf "$out/soak20.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' soak20-out soak20
+        else
+            echo "still running"
+        fi ;;
+    *) echo "error: start or wait, not $mode" >&2; exit 2 ;;
+esac
