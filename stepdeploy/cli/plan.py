@@ -93,6 +93,7 @@ def _print_layout_verdict(result_job: Job, verdict: Any, cluster: ClusterShape) 
 def _print_result(result: PlanResult, top: int) -> None:
     if result.fitting:
         _table(report.ranking_table(result, top))
+        out.print(report.optimizer_line(result.fitting[0].layout), markup=False)
     else:
         out.print(f"No layout fits on {result.cluster.describe()}.", markup=False)
     _table(report.rejection_table(result))

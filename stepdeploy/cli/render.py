@@ -72,8 +72,10 @@ def render(
         emit_json(json.loads(rendered.file("manifest.json").text))  # the file as written, key order kept
         return
     verb = "would write" if dry_run else "wrote"
+    parallel = rendered.workload["parallel"]
+    adam = "fused AdamW on the host" if parallel["optimizer_cpu_offload"] else f"{parallel['optimizer']} AdamW"
     out.print(f"{verb} {out_dir} (run {rendered.run_id}, {rendered.workload['engine']} engine, "
-              f"layout {manifest.layout}, "
+              f"layout {manifest.layout}, {adam}, "
               f"{len(rendered.placements)} node(s), remote {rendered.run_dir})", markup=False)
     for item in rendered.files:
         out.print(f"  {item.sha256[:12]}  {item.path}", markup=False)

@@ -360,12 +360,28 @@ def _list_table(rows: list[dict]) -> None:
     out.print(table)
 
 
+def _layout_needs(config: RolloutConfig) -> list[str]:
+    """What the target's given layout needs on the nodes beyond the stock stack (plan/engines.needs). A layout the
+    planner picks at render time is known only then: each launch verifies what its manifest says it needs."""
+    if not config.layout:
+        return []
+    from stepdeploy.catalog import load_model
+    from stepdeploy.plan import engines
+    from stepdeploy.plan.layout import parse_layout
+
+    return engines.needs(load_model(config.model), parse_layout(config.layout))
+
+
 def _print_plan(config: RolloutConfig, cluster: Cluster) -> None:
     """What the registered stages (rollout/stages/) will run, each stage's part from its own plan(): its rungs,
     iterations or duration, and the gates it will judge."""
     plan: dict[str, Any] = {"stages": list(config.stages), "gates": asdict(config.thresholds)}
     for name in config.stages:
         plan[name] = stages.load(name).plan(config, cluster)
+    needs = _layout_needs(config)
+    if needs:  # verified on the nodes before each launch (rollout/stages/needs.py), as preflight --layout does
+        plan["needs"] = {"software": needs, "verified": "on every node of a rung before each launch of the target, "
+                         "with preflight's check (stepdeploy preflight INVENTORY --model M --layout L)"}
     plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
                         "(torchrun; see `stepdeploy render`)")
     kind = registry.default_kind(cluster, config.executor)

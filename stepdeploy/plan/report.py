@@ -47,6 +47,12 @@ def optimizer_assumed(layout: Layout) -> dict[str, str]:
             "summary": f"torch AdamW, {kernels}, {where}"}
 
 
+def optimizer_line(layout: Layout) -> str:
+    """The line under the ranking: which AdamW the first layout uses, and that every layout was ranked with each."""
+    return (f"Optimizer of the first layout: {optimizer_assumed(layout)['summary']} (every layout is ranked with "
+            "torch's foreach and fused AdamW on the GPU, and with the optimizer offloaded to the host)")
+
+
 def _knobs(verdict: Verdict) -> str:
     layout = verdict.layout
     extra = ["offload"] if layout.optimizer_cpu_offload else []

@@ -11,7 +11,7 @@ from stepdeploy.catalog import Hardware, ModelSpec
 from stepdeploy.plan import engines
 from stepdeploy.plan.cluster import ClusterShape
 from stepdeploy.plan.constraints import KNOB_RULES, Violation, violations
-from stepdeploy.plan.layout import Job, Layout
+from stepdeploy.plan.layout import AdamImplementation, Job, Layout
 from stepdeploy.plan.memory import MemoryEstimate, estimate_memory
 from stepdeploy.plan.params import ParamCount, count_parameters
 from stepdeploy.plan.steptime import StepTime, predict_step_time
@@ -19,6 +19,9 @@ from stepdeploy.plan.steptime import StepTime, predict_step_time
 POWERS = (1, 2, 4, 8)
 MICRO_BATCHES = (1, 2, 4, 8)  # 8: measured fastest for the dense proxy on one H200 (docs/benchmarks.md)
 RECOMPUTE = ("none", "selective", "full")
+# torch AdamW on the GPU: foreach (a sqrt(v) temporary per param group, 116 B moved per owned parameter) or fused
+# (no temporary, 70 B; bench/gpu_optim.sh on one H200: 12 ms against 22 ms for the dense proxy)
+ADAM_IMPLEMENTATIONS: tuple[AdamImplementation, ...] = ("foreach", "fused")
 
 
 @dataclass(frozen=True)
@@ -118,15 +121,14 @@ def structures(spec: ModelSpec, world: int) -> Iterator[Layout]:
 
 
 def _knob_choices(structure: Layout, frugal: bool) -> Iterator[Layout]:
-    """torch's foreach AdamW (what every measured run used) with every micro-batch size and recompute; then, with
-    full recompute, the fused AdamW (no step temporary) and the optimizer on the host. The fastest that fits wins;
-    at equal time the earlier (foreach before fused). The fused one steps faster (H200: 12 against 22 ms for
-    the dense proxy) but is tried only with full recompute, as before it was measured: not re-ranked yet."""
+    """Every micro-batch size, recompute and AdamW implementation on the GPU (torch's foreach or fused kernels,
+    ADAM_IMPLEMENTATIONS: each modelled in memory, memory.ADAM_STEP_BYTES_BY_IMPLEMENTATION, and in step time,
+    steptime.OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION); then, with full recompute, the optimizer on the host
+    (megatron-core's HybridDeviceOptimizer, whose host AdamW is the fused one whatever `optimizer` says). The fastest
+    that fits wins; at equal time the earlier (foreach before fused: what most measured runs used)."""
     batches, recomputes = ((1,), ("full",)) if frugal else (MICRO_BATCHES, RECOMPUTE)
-    for mbs, recompute in product(batches, recomputes):
-        yield replace(structure, mbs=mbs, recompute=recompute)
-    for mbs in batches:
-        yield replace(structure, mbs=mbs, recompute="full", optimizer="fused")
+    for mbs, recompute, optimizer in product(batches, recomputes, ADAM_IMPLEMENTATIONS):
+        yield replace(structure, mbs=mbs, recompute=recompute, optimizer=optimizer)
     for mbs in batches:
         yield replace(structure, mbs=mbs, recompute="full", optimizer_cpu_offload=True,
                       precision_aware_optimizer=True, optimizer="fused")

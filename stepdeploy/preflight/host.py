@@ -165,6 +165,20 @@ def check_transformer_engine(section: Section, exp: Expect) -> Result:
     return ok("transformer_engine", found)
 
 
+# The package each need names (plan/engines.needs: 'package: why') -> the check that judges it on a node.
+NEEDS_CHECKS = {"transformer_engine": check_transformer_engine}
+
+
+def check_needs(section: Section, exp: Expect) -> list[Result]:
+    """Every package the layout needs (exp.needs), judged by its own check over the probe's python section (what
+    the rollout runs before a launch); a need no check knows fails, saying so."""
+    packages = dict.fromkeys(need.partition(":")[0].strip() for need in exp.needs)
+    return [NEEDS_CHECKS[package](section, exp) if package in NEEDS_CHECKS else
+            fail(package, "no preflight check knows this package",
+                 f"installed: {'; '.join(why_needed(exp.needs, package))}",
+                 "add its check to stepdeploy/preflight/host.py NEEDS_CHECKS") for package in packages]
+
+
 def nccl_versions(pkg: Section, py: Section) -> tuple[str | None, str | None]:
     """(libnccl2 package version, the NCCL torch bundles)."""
     lines = [line.split() for line in pkg.text.splitlines() if line.startswith("libnccl2 ")]

@@ -84,9 +84,16 @@ class ProbeSpec:
     section_timeout_s: int = 30
 
 
+def python_command(pythons: tuple[str, ...]) -> str:
+    """The python section's command: PYTHON_ENV's JSON from the first of `pythons` that exists (the rollout runs it
+    with the rendered run's own interpreter before a launch whose layout needs more than the stock stack)."""
+    pick_python = " ".join(shlex.quote(p) for p in pythons)
+    return (f"for p in {pick_python}; do if command -v \"$p\" >/dev/null 2>&1; then "
+            f"exec \"$p\" -I -c {shlex.quote(PYTHON_ENV)}; fi; done; echo 'no python found'; exit 127")
+
+
 def commands(spec: ProbeSpec) -> dict[str, str]:
     """Section name -> POSIX shell command."""
-    pick_python = " ".join(shlex.quote(p) for p in spec.pythons)
     iface = shlex.quote(spec.train_iface or "")
     ckpt = shlex.quote(spec.checkpoint_dir)
     return {
@@ -95,8 +102,7 @@ def commands(spec: ProbeSpec) -> dict[str, str]:
         "nvidia_smi": "nvidia-smi -q -x",
         "nvidia_topo": "nvidia-smi topo -m",
         "nccl_pkg": "dpkg-query -W -f='${Package} ${Version}\\n' 'libnccl2*' 2>/dev/null || true",
-        "python": (f"for p in {pick_python}; do if command -v \"$p\" >/dev/null 2>&1; then "
-                   f"exec \"$p\" -I -c {shlex.quote(PYTHON_ENV)}; fi; done; echo 'no python found'; exit 127"),
+        "python": python_command(spec.pythons),
         "modules": "cat /proc/modules",
         "memlock": "ulimit -l",
         "shm": "df -P -k /dev/shm",

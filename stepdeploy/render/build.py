@@ -24,6 +24,7 @@ from stepdeploy.inventory.model import Cluster
 from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, parse_layout
 from stepdeploy.plan.params import count_parameters
+from stepdeploy.plan.report import optimizer_assumed
 from stepdeploy.plan.search import judge, search
 from stepdeploy.render.facts import facts_for
 from stepdeploy.render.options import RenderOptions
@@ -74,7 +75,8 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
                     "predicted_torch_allocated_gib": round(max(s.torch_allocated for s in verdict.memory.stages)
                                                            / 2**30, 2),
                     "predicted_step_s": round(verdict.time.seconds, 4),
-                    "predicted_mfu": round(verdict.time.mfu, 4)}
+                    "predicted_mfu": round(verdict.time.mfu, 4),
+                    "optimizer": optimizer_assumed(verdict.layout)["summary"]}
     return verdict.layout, summary
 
 

@@ -37,6 +37,11 @@ class _Slurm(_Open):
     partition: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
+class _Needs(_Open):
+    software: list[str] = Field(min_length=1, max_length=64)  # plan/engines.needs: 'package: why'
+    python: str = Field(min_length=1, max_length=4096)  # the interpreter the launch runs: quoted where used
+
+
 class _OnDisk(_Open):
     """What a manifest file must be (strict: render wrote it)."""
 
@@ -47,6 +52,7 @@ class _OnDisk(_Open):
     inputs: dict[str, Any]
     executor: ExecutorKind | None = None
     slurm: _Slurm | None = None
+    needs: _Needs | None = None
 
 
 class ManifestNode(BaseModel):
@@ -69,6 +75,16 @@ class SlurmEntry(BaseModel):
     partition: str | None = None
 
 
+class Needs(BaseModel):
+    """What the run's layout needs on every node beyond the stock stack (plan/engines.needs, each 'package: why'),
+    and the python the launch runs: the rollout checks it there before each launch (rollout/stages/needs.py)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    software: list[str]
+    python: str
+
+
 class Manifest(BaseModel):
     """A rendered run's manifest, as the code reads it (render/run.py writes it; unknown keys are kept)."""
 
@@ -83,6 +99,7 @@ class Manifest(BaseModel):
     stage: str | None = None
     engine: str | None = None
     layout: str | None = None
+    needs: Needs | None = None  # None: the stock stack runs it
 
     @classmethod
     def load(cls, run_dir: Path) -> Manifest:

@@ -2,7 +2,8 @@
 and a manifest of what was rendered from what (with hashes). Values in, text out; nothing is written here.
 
 Layout of a run directory (the same locally and on every node):
-    manifest.json            inputs, every file with its sha256 and the template it came from, notes
+    manifest.json            inputs, every file with its sha256 and the template it came from, notes, and the
+                             software the layout needs on every node beyond the stock stack (`needs`, if any)
     workload.json            the workload's configuration (model, layout, schedule, timeouts)
     workload/*.py            the workload program (shipped as files; standard library + torch only)
     nodes/<rank>-<name>/launch.sh, env.sh   one directory per node, started on that node only
@@ -22,6 +23,7 @@ from stepdeploy.catalog import ModelSpec
 from stepdeploy.corpus import Corpus, ShippedDataset
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster, Node
+from stepdeploy.plan import engines
 from stepdeploy.plan.layout import Layout
 from stepdeploy.render import sbatch, templating
 from stepdeploy.render.environment import NodeFacts, node_environment
@@ -150,7 +152,14 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
     if slurm:
         files.append(RenderedFile(sbatch.SBATCH_SCRIPT, sbatch.render_sbatch(cluster, opts, placements, common, nproc),
                                   "sbatch.sh.j2", executable=True))
+    needs = engines.needs(spec, layout) if engine == "megatron" else []
+    if needs:
+        notes.append(f"layout {layout.short()} needs on every node: {'; '.join(needs)}; `rollout run` verifies it "
+                     f"before each launch (now: stepdeploy preflight INVENTORY --model {spec.name} --layout "
+                     f"{layout.short()})")
     manifest = _manifest(opts, inputs, created, version, files, placements, notes, layout, engine, facts or {})
+    if needs:  # what the nodes need beyond the stock stack, and the interpreter the launch runs it with
+        manifest |= {"needs": {"software": needs, "python": opts.python}}
     if slurm:
         manifest |= sbatch.manifest_entry(cluster, opts, nproc)
     elif kind == "local":  # the run is driven on this machine, also by a later `run`/`rollout stop`

@@ -1,7 +1,8 @@
 """One gated attempt of a rung, run to its end: what warmup and scale share (the soak restarts instead).
 
 The attempt is one a dead controller left running (re-attached if its processes live, else recorded failed) or a
-new one rendered into its own directory; it is launched, followed to its end, collected, and judged by GATES
+new one rendered into its own directory; what its layout needs beyond the stock stack is verified on its nodes
+(stages/needs.py), it is launched, followed to its end, collected, and judged by GATES
 (it completed, its losses are finite) and, when it completed, by the stage's own gates."""
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from typing import Any
 
 from stepdeploy.errors import BadInput
 from stepdeploy.monitor import diagnose
+from stepdeploy.render.manifest import Manifest
 from stepdeploy.rollout import gates, recovery
 from stepdeploy.rollout.config import StageStopped
 from stepdeploy.rollout.ladder import Rung
 from stepdeploy.rollout.service import AttemptService
+from stepdeploy.rollout.stages import needs
 
 GATES = ("completed", "loss_finite")  # every gated attempt's, before the stage's own
 Metrics = list[dict[str, Any]]
@@ -31,6 +34,7 @@ def gated_attempt(service: AttemptService, stage: str, rung: Rung, iterations: i
     label = f"{stage}/{rung.name} attempt {attempt}"
     with service.finishes(attempt), service.executor(local) as executor:
         if not reattach:
+            needs.verify(service, executor, Manifest.load(local), stage, rung.name)
             service.launch(executor, local, f"{stage}/{rung.name}", label)
         status, why = service.follow(executor, stage, rung, iterations,
                                      service.clock.time() + service.config.attempt_timeout_s)

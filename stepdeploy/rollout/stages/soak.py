@@ -35,6 +35,7 @@ from stepdeploy.rollout.clock import REAL, Clock
 from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, StageStopped
 from stepdeploy.rollout.ladder import Rung, target_rung
 from stepdeploy.rollout.service import AttemptService
+from stepdeploy.rollout.stages import needs
 from stepdeploy.rollout.stages.soak_recovery import CLEAR_RANK_FILES, event, recover
 
 SOAK_ITERATIONS = 10**9  # the soak ends by time, not by count
@@ -169,6 +170,7 @@ def _one_attempt(r: AttemptService, rung: Rung, local: Path, attempt: int, start
             executor.run_command(CLEAR_RANK_FILES)
         watch = _watch(r, executor, local, injections, soak_started)
         if not alive:
+            needs.verify(r, executor, Manifest.load(local), "soak", rung.name)
             r.launch(executor, local, f"soak/{rung.name}", f"soak attempt {attempt}")
         status, why = r.follow(executor, "soak", rung, None, deadline, check=watch.check)
         metrics = r.collect(executor, local, attempt, started)

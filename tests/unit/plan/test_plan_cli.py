@@ -120,3 +120,23 @@ def test_json_is_exactly_one_document_explain_included(capsys: pytest.CaptureFix
     if "--explain" in args:
         parameters = data if "--nodes" not in args else data["parameters"]
         assert parameters["total"] > 0 and parameters["layers"]
+
+
+def test_explain_says_what_the_engine_does_not_run_and_why_and_no_listed_layout_uses_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 22 item 1: where the engine cannot run something the planner does not offer it, and --explain says
+    why (text and --json); the layouts it would need are counted under the rule `engine`."""
+    cluster = ("-m", "step-3.5-flash-slice-ep2", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "H200")
+    code, out, _ = run(capsys, *cluster, "--explain")
+    assert code == 0
+    assert "What the megatron engine runs (the layouts above are only those):" in out
+    assert "  - context parallel: not offered: context parallelism splits attention" in out
+    assert "  - sequence parallel: not offered: megatron-core's local (no-TransformerEngine) spec" in out
+    assert "needs TransformerEngine's attention with cp_comm_type a2a or all_gather for its sliding windows" in out
+    code, out, _ = run(capsys, *cluster, "--explain", "--json", "--top", "100")
+    data = json.loads(out)
+    assert any(line.startswith("context parallel: not offered") for line in data["engine"]["capabilities"])
+    assert data["rejected"]["engine"]["count"] > 0
+    assert data["rejected"]["engine"]["rule"] == "the engine does not run it (stepdeploy/data/engines.yaml)"
+    assert "the megatron engine" in data["rejected"]["engine"]["example"]["reason"]
+    assert data["fitting"] and all(f["layout"]["cp"] == 1 and f["needs"] == [] for f in data["fitting"])

@@ -101,3 +101,74 @@ def test_the_plan_says_which_optimizer_it_assumed(capsys: pytest.CaptureFixture[
     _plan(capsys, *cluster)
     assert f"s, assuming {summary}\n" in capsys.readouterr().out
 
+
+
+def test_every_knob_choice_is_tried_with_each_adamw_on_the_gpu_and_with_the_optimizer_on_the_host() -> None:
+    from itertools import product
+
+    from stepdeploy.plan.layout import Layout
+    from stepdeploy.plan.search import ADAM_IMPLEMENTATIONS, MICRO_BATCHES, RECOMPUTE, _knob_choices
+
+    tried = [(k.mbs, k.recompute, k.optimizer, k.optimizer_cpu_offload) for k in _knob_choices(Layout(), False)]
+    on_gpu = list(product(MICRO_BATCHES, RECOMPUTE, ADAM_IMPLEMENTATIONS, [False]))
+    assert ADAM_IMPLEMENTATIONS == ("foreach", "fused")
+    assert tried == on_gpu + [(mbs, "full", "fused", True) for mbs in MICRO_BATCHES]
+    frugal = [(k.mbs, k.recompute, k.optimizer, k.optimizer_cpu_offload) for k in _knob_choices(Layout(), True)]
+    assert frugal == [(1, "full", "foreach", False), (1, "full", "fused", False), (1, "full", "fused", True)]
+
+
+def test_the_adamw_is_ranked_with_the_other_knobs_the_fused_one_first_where_it_is_faster() -> None:
+    """The dense proxy on one H200: the first layout was MBS 8 with foreach AdamW (fused was tried only with full
+    recompute); both fit, and the fused one's step is 116 - 70 B per owned parameter shorter."""
+    from stepdeploy.plan.search import search
+
+    spec, hardware = load_model("proxy-0.7b-dense"), load_hardware()
+    shape = shape_from_cluster(load_cluster(str(FIXTURES / "h200x1.ini")))
+    first = search(spec, shape, hardware, 2048, 32).fitting[0]
+    assert (first.layout.mbs, first.layout.recompute, first.layout.optimizer) == (8, "none", "fused")
+    twin = _verdict("mbs=8")
+    assert twin.fits and twin.time is not None and first.time is not None
+    assert first.time.seconds < twin.time.seconds
+    saved = count_parameters(spec).total * (116 - 70) / (shape.gpu.memory_bandwidth_gbps * 1e9)
+    assert twin.time.seconds - first.time.seconds == pytest.approx(saved, rel=1e-6)
+
+
+def test_the_fused_adamw_fits_without_recompute_where_the_foreach_one_does_not() -> None:
+    """proxy-0.7b-moe on one H100 (80 GB): foreach's sqrt(v) temporary over 3.56B parameters (13.3 GiB) is the
+    peak; without it the forward-backward peak fits."""
+    from stepdeploy.plan.cluster import cluster_shape
+
+    spec, h100 = load_model("proxy-0.7b-moe"), cluster_shape(1, 1, "H100", "roce-200g")
+    job = Job(spec, spec.training.seq_length, spec.training.global_batch_size, 1)
+    foreach, fused = (judge(count_parameters(spec), job, parse_layout(f"mbs=2,optimizer={name}"), h100, load_hardware())
+                      for name in ("foreach", "fused"))
+    assert foreach.memory is not None and fused.memory is not None
+    assert not foreach.fits and foreach.memory.worst.largest() == "optimizer"
+    assert foreach.memory.worst.optimizer_step_peak > foreach.memory.worst.forward_backward_peak
+    assert fused.fits and fused.memory.worst.components["optimizer_step"] == 0
+
+
+def test_plan_says_which_adamw_the_first_layout_uses(capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = ("-m", "proxy-0.7b-dense", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "H200", "--top", "3")
+    data = _plan(capsys, *cluster, "--json")
+    assert data["fitting"][0]["layout"]["optimizer"] == "fused"
+    assert data["fitting"][0]["optimizer_assumed"]["summary"] == "torch AdamW, fused kernel, on the GPU"
+    _plan(capsys, *cluster)
+    text = capsys.readouterr().out
+    assert "Optimizer of the first layout: torch AdamW, fused kernel, on the GPU (every layout is ranked" in text
+    assert "none fused-adam" in text
+
+
+def test_render_runs_the_adamw_the_planner_chose(tmp_path: Path) -> None:
+    from stepdeploy.render import RenderOptions
+    from stepdeploy.render.build import build_run
+
+    rendered, summary = build_run(load_cluster(str(FIXTURES / "h200x1.ini")), load_model("proxy-0.7b-dense"), None,
+                                  RenderOptions(run_id="adam", iterations=5, global_batch_size=32))
+    assert rendered.workload["parallel"]["optimizer"] == "fused"  # model_chunks.set_adam_implementation reads it
+    assert summary["optimizer"] == "torch AdamW, fused kernel, on the GPU"
+    manifest = json.loads(rendered.file("manifest.json").text)
+    assert manifest["inputs"]["layout"]["optimizer"] == summary["optimizer"]
+    given, _ = build_run(load_cluster(str(FIXTURES / "h200x1.ini")), load_model("proxy-0.7b-dense"), "mbs=4",
+                         RenderOptions(run_id="adam-given", iterations=5, global_batch_size=32))
+    assert given.workload["parallel"]["optimizer"] == "foreach"  # a given layout keeps its own (the default)

@@ -108,3 +108,18 @@ def test_layout_without_model_is_bad_input() -> None:
     res = subprocess.run([sys.executable, "-m", "stepdeploy", "preflight", "--local", "-m", "tiny-dense", "--layout",
                           "cp=two"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and res.stderr.startswith("error: --layout: cp takes a positive integer")
+
+
+def test_check_needs_judges_each_needed_package_with_its_own_check_and_fails_an_unknown_one() -> None:
+    """What the rollout runs before a launch (rollout/stages/needs.py): the same checks, one per needed package."""
+    needs = (*cp_needs("step-3.5-flash", 2), "nccl_sharp: a plugin no check knows")
+    results = host.check_needs(py(WITH_TE), host.Expect(needs=needs))
+    assert [(r.check, r.status) for r in results] == [("transformer_engine", Status.OK), ("nccl_sharp", Status.FAIL)]
+    assert results[1].expected == "installed: a plugin no check knows"
+    assert host.check_needs(py(CUDA_ENV), host.Expect(needs=needs[:1]))[0].status is Status.FAIL
+    assert host.check_needs(py(CUDA_ENV), host.Expect()) == []
+
+
+def test_the_rollouts_python_command_is_the_probes_python_section() -> None:
+    pythons = ("/opt/stepdeploy/venv/bin/python",)
+    assert probe.python_command(pythons) == probe.commands(probe.ProbeSpec(pythons=pythons))["python"]

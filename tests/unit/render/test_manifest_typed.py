@@ -73,3 +73,21 @@ def test_the_executor_names_are_one_list() -> None:
     assert tuple(registry.EXECUTORS) == EXECUTOR_KINDS
     with pytest.raises(BadInput, match="unknown executor"):
         RenderOptions(run_id="r4", executor="k8s")
+
+
+@pytest.mark.parametrize(("needs", "problem"), [
+    ({"software": [], "python": "python3"}, "needs.software"),  # a needs entry names at least one package
+    ({"software": ["transformer_engine: cp"]}, "needs.python"),  # and the interpreter the launch runs
+    ({"software": "transformer_engine", "python": "python3"}, "needs.software"),
+])
+def test_a_manifests_needs_are_what_render_writes_or_refused(tmp_path: Path, needs: dict, problem: str) -> None:
+    opts = RenderOptions(run_id="r3", iterations=5, seq_length=64, global_batch_size=8)
+    write_run(build(str(inventory(tmp_path)), "tiny-dense", None, opts), tmp_path / "run")
+    data = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    good = {"software": ["transformer_engine: TransformerEngine's attention"], "python": "python3"}
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps({**data, "needs": good}))
+    loaded = Manifest.load(tmp_path / "run").needs
+    assert loaded is not None and loaded.software == good["software"] and loaded.python == "python3"
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps({**data, "needs": needs}))
+    with pytest.raises(BadInput, match=problem):
+        Manifest.load(tmp_path / "run")
