@@ -25,6 +25,12 @@ from moe_stats import RouterStats, summarise  # noqa: E402  (conftest.py puts th
 
 STEPS, SCHEDULE = 12, 30  # the first 12 steps of a 30-step schedule (warm-up 3 to 3e-4, cosine)
 NEAR_CEILING = 0.9  # the soak's expert_load gate fails above 90 % of E/k
+BIAS_ONLY = {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0}  # the catalog's router until
+# 2026-12-02: the expert bias alone (1e-3 a step), no auxiliary loss
+# The slice's real width (4,096) with everything else slimmed: the router sees the hidden width only.
+WIDE = {"hidden": 4096, "ffn": 64, "moe_ffn": 32, "kv": 32, "layers": 1, "seq": 32, "steps": STEPS,
+        "schedule": SCHEDULE}
+WARMUP = 3
 
 
 def test_summarise_gives_the_busiest_experts_bias_per_layer() -> None:
@@ -63,13 +69,13 @@ def train(settings: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
     base = {"steps": STEPS, "schedule": SCHEDULE}
-    return {"catalog": train(base),
-            "rate_1e-2": train(base | {"overrides": {"moe_router_bias_update_rate": 1e-2}})}
+    return {"catalog": train(base | {"overrides": BIAS_ONLY}),
+            "rate_1e-2": train(base | {"overrides": BIAS_ONLY | {"moe_router_bias_update_rate": 1e-2}})}
 
 
 def test_with_the_catalogs_rate_one_expert_takes_every_token_though_its_bias_falls(runs: dict[str, dict]) -> None:
     run = runs["catalog"]
-    assert run["settings"]["overrides"] == {}  # the catalog's router: expert bias at 1e-3, no auxiliary loss
+    assert run["settings"]["overrides"] == BIAS_ONLY  # the catalog's rate (1e-3), no auxiliary loss
     ceiling = run["ceiling"]
     near = [(step["it"], layer) for step in run["steps"] for layer, load in step["load"].items()
             if load > NEAR_CEILING * ceiling]
@@ -102,3 +108,60 @@ def test_a_bf16_token_counter_stops_counting() -> None:
             c += torch.tensor([100]).sum(dim=0)
     assert float(counts[torch.float32]) == 100_000
     assert float(counts[torch.bfloat16]) < 50_000
+
+
+@pytest.mark.parametrize("name", ["step-3.5-flash-slice-1gpu", "step-3.5-flash-slice-ep2"])
+def test_the_slices_train_with_the_expert_bias_and_megatrons_auxiliary_loss(name: str) -> None:
+    import engine_megatron
+
+    from stepdeploy.catalog import load_model
+
+    kwargs = engine_megatron.load_balancing_kwargs(load_model(name).model_dump()["moe"])
+    assert kwargs == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.3,
+                      "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}
+
+
+def judged(run: dict) -> list[float]:
+    """What the soak's expert_load gate judges: after the warm-up, each step's worst MoE layer."""
+    return [max(step["load"].values()) for step in run["steps"] if step["it"] > WARMUP]
+
+
+def gate_passes(run: dict) -> bool:
+    loads = judged(run)
+    return sorted(loads)[len(loads) // 2] <= NEAR_CEILING * run["ceiling"]  # the median (upper, for even counts)
+
+
+def test_at_the_slices_width_the_catalogs_router_stays_balanced() -> None:
+    """Why the slice has an auxiliary loss beside the expert bias: at its width the bias alone collapses (bench
+    case below); the loss trains the router's weights away from what every token's input shares, and those
+    weights move by about the learning rate x the width a step."""
+    run = train(WIDE)
+    assert run["settings"]["overrides"] == {}  # the catalog's slice as rendered
+    assert gate_passes(run), judged(run)
+    assert judged(run)[-1] <= NEAR_CEILING * run["ceiling"], judged(run)
+
+
+@pytest.mark.bench
+def test_at_the_slices_width_the_expert_bias_alone_collapses() -> None:
+    run = train(WIDE | {"overrides": BIAS_ONLY})
+    assert not gate_passes(run), judged(run)
+    assert judged(run)[-1] > NEAR_CEILING * run["ceiling"]
+
+
+@pytest.mark.bench
+def test_a_frozen_router_collapses_too() -> None:
+    """Not the router's training: with its weights held at their start the load collapses the same way, while
+    the share of the router's input that every token has in common grows (0.3 -> 0.9 at width 128)."""
+    run = train({"steps": STEPS, "schedule": SCHEDULE, "router_lr_mult": 0.0, "overrides": BIAS_ONLY})
+    assert not gate_passes(run), judged(run)
+    assert run["steps"][-1]["common"][-1] > 2 * run["steps"][0]["common"][-1]
+
+
+PROXY = {"model": "proxy-0.7b-moe", "experts": 8, "topk": 2, "hidden": 2048, "ffn": 16, "moe_ffn": 16, "kv": 32,
+         "layers": 2, "seq": 32, "steps": STEPS, "schedule": SCHEDULE}
+
+
+@pytest.mark.bench
+def test_at_the_moe_proxys_width_the_catalogs_router_stays_balanced() -> None:
+    run = train(PROXY)
+    assert gate_passes(run), judged(run)
