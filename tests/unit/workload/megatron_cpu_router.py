@@ -1,12 +1,15 @@
-"""Run in a process of its own (megatron_on_cpu repoints torch's CUDA calls): a small Step-3.5-Flash-like MoE (the
-slice's router: sigmoid scores, expert bias, top-k scaling, fp32 router, auxiliary-loss-free balancing) trained
-for a few dozen steps on byte-level text through the megatron engine's own pieces (model_chunks: Float16Module +
-DDP, finalize_model_grads, megatron's optimizer, the engine's forward step and learning-rate schedule; moe_stats
-for the load). Prints one JSON line: per step the loss, each MoE layer's max/mean tokens per expert and the
-largest |expert bias|; and each router's expert bias with the tokens it counted on the last step.
+"""Run in a process of its own (megatron_on_cpu repoints torch's CUDA calls): a small version of a catalog MoE
+model (default the Step-3.5-Flash slice: sigmoid scores, expert bias, top-k scaling, fp32 router, its balancing)
+trained for a few dozen steps on byte-level text through the megatron engine's own pieces (model_chunks:
+Float16Module + DDP, finalize_model_grads, megatron's optimizer, the engine's forward step and learning-rate
+schedule; moe_stats for the load). Prints one JSON line: per step the loss, each MoE layer's max/mean tokens per
+expert, the busiest expert's bias and its lead (margin), and how much of each router's input all tokens share
+(common); and each router's expert bias with the tokens it counted on the last step.
 
     python megatron_cpu_router.py '{"steps": 30, "lr": 3e-4, "warmup": 3, ...}'   (keys: see SETTINGS; "schedule":
-    the iterations the cosine decays over, when not "steps"; "overrides": TransformerConfig fields)
+    the iterations the cosine decays over, when not "steps"; "overrides": TransformerConfig fields; "model": the
+    catalog model; "hidden": its width, with "ffn", "moe_ffn", "kv" to slim the rest; "router_lr_mult": the
+    routers' learning rate over the others', 0 holds them at their start)
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
-"""Why the Step-3.5-Flash slice's routers collapsed in the H200 soak (docs/benchmarks.md, call P), on CPU: a small
-model with the slice's router (sigmoid scores, expert bias, top-k scaling, fp32 router, auxiliary-loss-free
-balancing) trained on byte-level text through the megatron engine's own pieces (megatron_cpu_router.py).
+"""Why the Step-3.5-Flash slice's routers collapsed in the H200 soak (docs/benchmarks.md, call P), and what holds
+them, on CPU: a small model with the slice's router (sigmoid scores, expert bias, top-k scaling, fp32 router)
+trained on byte-level text through the megatron engine's own pieces (megatron_cpu_router.py).
 
-With the catalog's update rate (1e-3 per step, DeepSeek-V3's) one expert ends up in every token's top-k within a
-few steps although the bias update is applied, against that expert, every step: the router's own Adam updates
-raise the expert's score faster than the bias can lower it. Ten times the rate keeps this 128-wide model balanced,
-so the update does reach the routing (not a 512-wide one: the router's drift per step grows with the width;
-docs/benchmarks.md, call P). And the per-step figure that says so: the busiest expert's bias. The routers' token
-counters stay fp32 under Float16Module (keep_router_counts_fp32).
+With the expert bias alone (1e-3 per step, DeepSeek-V3's) one expert ends up in every token's top-k within a few
+steps although the bias update is applied, against that expert, every step. Not because the router's own updates
+outrun the bias: a router whose weights are held at their start collapses the same way. Every token's router
+input comes to share one direction (a third of its norm at the start, nine tenths after nine steps), and the
+router's weights then rank the experts alike for every token; the lead the bias has to take off grows with the
+width. Ten times the rate keeps a 128-wide model balanced, not a 512-wide one. megatron's auxiliary loss beside
+the bias (the catalog's slices since 2026-12-02: 0.3) trains the router's weights off the shared direction and
+holds the slice's own width (4,096). The per-step figures that say so: the busiest expert's bias, the shared
+share of the router's input. The routers' token counters stay fp32 under Float16Module (keep_router_counts_fp32).
 """
 
 from __future__ import annotations
