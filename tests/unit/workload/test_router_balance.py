@@ -114,7 +114,7 @@ def test_a_bf16_token_counter_stops_counting() -> None:
 
 
 @pytest.mark.parametrize("name", ["step-3.5-flash-slice-1gpu", "step-3.5-flash-slice-ep2"])
-def test_the_slices_train_with_the_expert_bias_and_megatrons_auxiliary_loss(name: str) -> None:
+def test_the_slices_and_the_moe_proxy_train_with_megatrons_auxiliary_loss(name: str) -> None:
     import engine_megatron
 
     from stepdeploy.catalog import load_model
@@ -122,6 +122,8 @@ def test_the_slices_train_with_the_expert_bias_and_megatrons_auxiliary_loss(name
     kwargs = engine_megatron.load_balancing_kwargs(load_model(name).model_dump()["moe"])
     assert kwargs == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.3,
                       "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}
+    proxy = engine_megatron.load_balancing_kwargs(load_model("proxy-0.7b-moe").model_dump()["moe"])
+    assert proxy == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.1}
 
 
 def judged(run: dict) -> list[float]:
