@@ -87,12 +87,12 @@ def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_balancing_kwargs(moe: dict[str, Any]) -> dict[str, Any]:
-    """How the router keeps experts balanced: an auxiliary loss, or the auxiliary-loss-free expert bias that
-    megatron-core's finalize_model_grads updates after every step (bias += rate x sign(mean load - load))."""
-    if moe.get("load_balancing", "aux_loss") == "expert_bias":
-        return {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
-                "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": moe["bias_update_rate"]}
-    return {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": moe.get("aux_loss_coeff", 1e-2)}
+    """megatron's auxiliary loss (aux_loss_coeff; 0: none), and with `expert_bias` the router bias that
+    finalize_model_grads moves after every step by rate x sign(mean load - load) (the slice has both: catalog)."""
+    coeff = moe.get("aux_loss_coeff", 1e-2)
+    bias = {"moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": moe["bias_update_rate"]}
+    return {"moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none", "moe_aux_loss_coeff": coeff} | (
+        bias if moe.get("load_balancing", "aux_loss") == "expert_bias" else {})
 
 
 def keep_router_counts_fp32(models: list[Any]) -> int:

@@ -95,8 +95,8 @@ class Moe(nn.Module):
         moe, hidden = m["moe"], m["hidden_size"]
         self.topk, self.score = moe["topk"], moe["score_function"]
         self.router = nn.Linear(hidden, moe["num_experts"], bias=False)
-        # Load balancing as the catalog says (megatron-core's two schemes): an auxiliary loss, or an expert bias
-        # added to the scores for the choice only, nudged after every step towards the mean load.
+        # Load balancing as the catalog says (megatron-core's schemes): an auxiliary loss (aux_loss_coeff > 0), and
+        # with expert_bias a bias added to the scores for the choice only, nudged after every step to the mean load.
         self.balancing = moe.get("load_balancing", "aux_loss")
         self.aux_coeff, self.bias_rate = moe.get("aux_loss_coeff", 1e-2), moe.get("bias_update_rate", 1e-3)
         self.register_buffer("expert_bias", torch.zeros(moe["num_experts"]) if moe.get("router_expert_bias") or
@@ -125,7 +125,7 @@ class Moe(nn.Module):
         self.aux = None
         if torch.is_grad_enabled():
             self.tokens_per_expert += counts
-            if self.balancing == "aux_loss" and self.aux_coeff > 0:
+            if self.aux_coeff > 0:  # with expert_bias too, as the megatron engine
                 # megatron-core's switch load-balancing loss: E x coeff / (T^2 k) x sum_i(probs_i x tokens_i)
                 tokens = flat.shape[0]
                 self.aux = (probs.sum(0) * counts).sum() * (probs.shape[-1] * self.aux_coeff

@@ -1,12 +1,15 @@
-"""Run in a process of its own (megatron_on_cpu repoints torch's CUDA calls): a small Step-3.5-Flash-like MoE (the
-slice's router: sigmoid scores, expert bias, top-k scaling, fp32 router, auxiliary-loss-free balancing) trained
-for a few dozen steps on byte-level text through the megatron engine's own pieces (model_chunks: Float16Module +
-DDP, finalize_model_grads, megatron's optimizer, the engine's forward step and learning-rate schedule; moe_stats
-for the load). Prints one JSON line: per step the loss, each MoE layer's max/mean tokens per expert and the
-largest |expert bias|; and each router's expert bias with the tokens it counted on the last step.
+"""Run in a process of its own (megatron_on_cpu repoints torch's CUDA calls): a small version of a catalog MoE
+model (default the Step-3.5-Flash slice: sigmoid scores, expert bias, top-k scaling, fp32 router, its balancing)
+trained for a few dozen steps on byte-level text through the megatron engine's own pieces (model_chunks:
+Float16Module + DDP, finalize_model_grads, megatron's optimizer, the engine's forward step and learning-rate
+schedule; moe_stats for the load). Prints one JSON line: per step the loss, each MoE layer's max/mean tokens per
+expert, the busiest expert's bias and its lead (margin), and how much of each router's input all tokens share
+(common); and each router's expert bias with the tokens it counted on the last step.
 
     python megatron_cpu_router.py '{"steps": 30, "lr": 3e-4, "warmup": 3, ...}'   (keys: see SETTINGS; "schedule":
-    the iterations the cosine decays over, when not "steps"; "overrides": TransformerConfig fields)
+    the iterations the cosine decays over, when not "steps"; "overrides": TransformerConfig fields; "model": the
+    catalog model; "hidden": its width, with "ffn", "moe_ffn", "kv" to slim the rest; "router_lr_mult": the
+    routers' learning rate over the others', 0 holds them at their start)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from megatron_cpu import free_port, megatron_on_cpu
 SETTINGS: dict[str, Any] = {
     "steps": 30, "schedule": 0, "lr": 3.0e-4, "warmup": 3, "seq": 64, "mbs": 4, "micro_batches": 2, "hidden": 128,
     "experts": 32, "topk": 8, "layers": 3, "seed": 1, "data": "docs", "fp32_counts": True, "overrides": {},
+    "router_lr_mult": 1.0, "model": "step-3.5-flash-slice-1gpu", "ffn": 0, "moe_ffn": 0, "kv": 0,
 }
 CORPUS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -32,33 +36,52 @@ def byte_stream() -> torch.Tensor:
     return torch.tensor(list(text), dtype=torch.long)
 
 
-def small_slice(s: dict[str, Any]) -> Any:
+def small_model(s: dict[str, Any]) -> Any:
+    """The catalog model `s["model"]` (its router, norms, attention kinds, balancing) cut down: `s["layers"]` MoE
+    layers (after the dense lead layers it has), 4 heads, byte vocabulary, hidden `s["hidden"]`. The router sees
+    the hidden width only, so "ffn", "moe_ffn" and "kv" (0: 2 x, 1/2 x and 1/4 x the hidden) can slim the rest
+    and keep a real width (the slice's 4,096, the proxy's 2,048) affordable on a CPU."""
     from stepdeploy.catalog import load_model
     from stepdeploy.catalog.loader import parse_model
 
-    data = load_model("step-3.5-flash-slice-1gpu").model_dump()
+    data = load_model(s["model"]).model_dump()
     h = s["hidden"]
-    data.update(name="small-step35", num_layers=s["layers"] + 1, hidden_size=h, num_attention_heads=4,
-                sliding_num_attention_heads=4, num_query_groups=2, kv_channels=h // 4, sliding_window=32,
-                ffn_hidden_size=2 * h, vocab_size=256, max_position_embeddings=256, swiglu_limits={},
-                swiglu_limits_shared={}, mtp_num_layers=0)
-    data["rope"]["llama3_scaling"]["original_max_position_embeddings"] = 128
-    data["moe"].update(num_experts=s["experts"], topk=s["topk"], ffn_hidden_size=h // 2,
-                       shared_expert_ffn_hidden_size=h // 2)
+    dense = data["moe"]["first_dense_layers"]
+    data.update(name=f"small-{s['model']}", num_layers=s["layers"] + dense, hidden_size=h, num_attention_heads=4,
+                num_query_groups=2, kv_channels=s["kv"] or h // 4, ffn_hidden_size=s["ffn"] or 2 * h,
+                vocab_size=256, max_position_embeddings=256, swiglu_limits={}, swiglu_limits_shared={},
+                mtp_num_layers=0)
+    if data.get("sliding_num_attention_heads"):
+        data.update(sliding_num_attention_heads=4, sliding_window=32)
+    if data["rope"].get("llama3_scaling"):
+        data["rope"]["llama3_scaling"]["original_max_position_embeddings"] = 128
+    moe_ffn = s["moe_ffn"] or h // 2
+    data["moe"].update(num_experts=s["experts"], topk=s["topk"], ffn_hidden_size=moe_ffn)
+    if data["moe"]["shared_expert_ffn_hidden_size"]:
+        data["moe"]["shared_expert_ffn_hidden_size"] = moe_ffn
     data["training"].update(seq_length=s["seq"], global_batch_size=s["mbs"] * s["micro_batches"], lr=s["lr"])
     return parse_model(data)
 
 
-def margin(router: Any, hidden: torch.Tensor, topk: int) -> list[float]:
+def margin(router: Any, hidden: torch.Tensor, topk: int) -> list[float]:  # [] without an expert bias
     """The busiest expert (of the last micro-batch) and how far the bias would have to lower it to leave the
     top-k of half the tokens: the median over tokens of (its score + bias) - (the k-th best of the others')."""
     with torch.no_grad():
         scores = torch.sigmoid(hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t())
+        if router.expert_bias is None:
+            return []
         biased = scores + router.expert_bias.float()
         busiest = int(biased.topk(topk, dim=-1).indices.flatten().bincount(minlength=scores.shape[1]).argmax())
         others = torch.cat([biased[:, :busiest], biased[:, busiest + 1:]], dim=1)
         gap = biased[:, busiest] - others.topk(topk, dim=-1).values[:, -1]
         return [busiest, round(float(gap.median()), 4), round(float(router.expert_bias[busiest]), 4)]
+
+
+def common_mode(hidden: torch.Tensor) -> float:
+    """How much of the router's input all tokens share: |mean over tokens| / rms over tokens of |x| (1: every
+    token the same vector, about 1/sqrt(tokens) for independent ones)."""
+    x = hidden.reshape(-1, hidden.shape[-1]).float()
+    return round(float(x.mean(dim=0).norm() / x.norm(dim=1).pow(2).mean().sqrt()), 3)
 
 
 def main() -> None:
@@ -76,7 +99,7 @@ def main() -> None:
     from stepdeploy.render.options import RenderOptions
     from stepdeploy.render.workload import workload_config
 
-    spec = small_slice(s)
+    spec = small_model(s)
     gbs = s["mbs"] * s["micro_batches"]
     cfg = workload_config(spec, Layout(mbs=s["mbs"]), RenderOptions(run_id="t", seq_length=s["seq"],
                           global_batch_size=gbs, iterations=s["schedule"] or s["steps"],
@@ -90,12 +113,21 @@ def main() -> None:
     config = TransformerConfig(**kwargs)
     chunks = model_chunks.wrap_chunks(model_chunks.build_chunks(cfg, config, em.build_model), config,
                                       em.ddp_config_kwargs(cfg) | {"overlap_param_gather": False})
-    counts_dtype = str(next(m.local_tokens_per_expert.dtype for m in chunks[0].modules()
-                            if getattr(m, "local_tokens_per_expert", None) is not None))
+    counts_dtype = str(next((m.local_tokens_per_expert.dtype for m in chunks[0].modules()
+                             if getattr(m, "local_tokens_per_expert", None) is not None), None))
     converted = em.keep_router_counts_fp32(chunks) if s["fp32_counts"] else 0
     model_chunks.attach_grad_sync(config, chunks, False)
     cfg["parallel"]["optimizer"] = "foreach"
-    optimizer = model_chunks.build_optimizer(cfg, chunks)
+    if s["router_lr_mult"] != 1.0:
+        from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
+        from megatron.core.optimizer import get_standard_config_overrides as standard
+
+        opt_config = OptimizerConfig(**model_chunks.optimizer_config_kwargs(cfg))
+        overrides = standard(opt_config) | {ParamKey(name="*router.weight"): {"lr_mult": s["router_lr_mult"]}}
+        optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=overrides)
+        model_chunks.set_adam_implementation(optimizer, "foreach")
+    else:
+        optimizer = model_chunks.build_optimizer(cfg, chunks)
     for group in optimizer.param_groups:
         group["weight_decay"] = em.WEIGHT_DECAY * group.get("wd_mult", 1.0)
     model = chunks[0]
@@ -117,7 +149,7 @@ def main() -> None:
     for iteration in range(1, s["steps"] + 1):
         lr = lr_at(iteration, cfg["training"])
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         starts = torch.randint(0, stream.numel() - seq - 1, (s["micro_batches"], mbs), generator=gen)
@@ -132,9 +164,10 @@ def main() -> None:
                       "loss": round(float(sum(x["lm loss"] for x in losses) / len(losses)), 4),
                       "grad_norm": round(float(grad_norm), 3), "load": got["moe_load"],
                       "bias": got.get("router_bias"), "busiest_bias": got.get("router_bias_busiest"),
-                      "margin": [margin(r, inputs[i], s["topk"]) for i, r in enumerate(routers)]})
-    last = [{"bias_dtype": str(r.expert_bias.dtype), "bias": [round(float(b), 4) for b in r.expert_bias],
-             "counts_dtype": str(r.local_tokens_per_expert.dtype),
+                      "margin": [margin(r, inputs[i], s["topk"]) for i, r in enumerate(routers)],
+                      "common": [common_mode(inputs[i]) for i in range(len(routers))]})
+    last = [{"bias": [round(float(b), 4) for b in r.expert_bias] if r.expert_bias is not None else None,
+             "counts_dtype": str(getattr(getattr(r, "local_tokens_per_expert", None), "dtype", None)),
              "weight_std": round(float(r.weight.float().std()), 5)} for r in routers]
     print(json.dumps({"settings": s, "ceiling": s["experts"] / s["topk"], "steps": steps, "routers": last,
                       "counts_dtype_wrapped": counts_dtype, "counts_converted": converted}))

@@ -1,13 +1,16 @@
-"""Why the Step-3.5-Flash slice's routers collapsed in the H200 soak (docs/benchmarks.md, call P), on CPU: a small
-model with the slice's router (sigmoid scores, expert bias, top-k scaling, fp32 router, auxiliary-loss-free
-balancing) trained on byte-level text through the megatron engine's own pieces (megatron_cpu_router.py).
+"""Why the Step-3.5-Flash slice's routers collapsed in the H200 soak (docs/benchmarks.md, call P), and what holds
+them, on CPU: a small model with the slice's router (sigmoid scores, expert bias, top-k scaling, fp32 router)
+trained on byte-level text through the megatron engine's own pieces (megatron_cpu_router.py).
 
-With the catalog's update rate (1e-3 per step, DeepSeek-V3's) one expert ends up in every token's top-k within a
-few steps although the bias update is applied, against that expert, every step: the router's own Adam updates
-raise the expert's score faster than the bias can lower it. Ten times the rate keeps this 128-wide model balanced,
-so the update does reach the routing (not a 512-wide one: the router's drift per step grows with the width;
-docs/benchmarks.md, call P). And the per-step figure that says so: the busiest expert's bias. The routers' token
-counters stay fp32 under Float16Module (keep_router_counts_fp32).
+With the expert bias alone (1e-3 per step, DeepSeek-V3's) one expert ends up in every token's top-k within a few
+steps although the bias update is applied, against that expert, every step. Not because the router's own updates
+outrun the bias: a router whose weights are held at their start collapses the same way. Every token's router
+input comes to share one direction (a third of its norm at the start, nine tenths after nine steps), and the
+router's weights then rank the experts alike for every token; the lead the bias has to take off grows with the
+width. Ten times the rate keeps a 128-wide model balanced, not a 512-wide one. megatron's auxiliary loss beside
+the bias (the catalog's slices since 2026-12-02: 0.3) trains the router's weights off the shared direction and
+holds the slice's own width (4,096). The per-step figures that say so: the busiest expert's bias, the shared
+share of the router's input. The routers' token counters stay fp32 under Float16Module (keep_router_counts_fp32).
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from moe_stats import RouterStats, summarise  # noqa: E402  (conftest.py puts th
 
 STEPS, SCHEDULE = 12, 30  # the first 12 steps of a 30-step schedule (warm-up 3 to 3e-4, cosine)
 NEAR_CEILING = 0.9  # the soak's expert_load gate fails above 90 % of E/k
+BIAS_ONLY = {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0}  # the catalog's router until
+# 2026-12-02: the expert bias alone (1e-3 a step), no auxiliary loss
+# The slice's real width (4,096) with everything else slimmed: the router sees the hidden width only.
+WIDE = {"hidden": 4096, "ffn": 64, "moe_ffn": 32, "kv": 32, "layers": 1, "seq": 32, "steps": 8,
+        "schedule": SCHEDULE}
+WARMUP = 3
 
 
 def test_summarise_gives_the_busiest_experts_bias_per_layer() -> None:
@@ -63,13 +72,13 @@ def train(settings: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
     base = {"steps": STEPS, "schedule": SCHEDULE}
-    return {"catalog": train(base),
-            "rate_1e-2": train(base | {"overrides": {"moe_router_bias_update_rate": 1e-2}})}
+    return {"catalog": train(base | {"overrides": BIAS_ONLY}),
+            "rate_1e-2": train(base | {"overrides": BIAS_ONLY | {"moe_router_bias_update_rate": 1e-2}})}
 
 
 def test_with_the_catalogs_rate_one_expert_takes_every_token_though_its_bias_falls(runs: dict[str, dict]) -> None:
     run = runs["catalog"]
-    assert run["settings"]["overrides"] == {}  # the catalog's router: expert bias at 1e-3, no auxiliary loss
+    assert run["settings"]["overrides"] == BIAS_ONLY  # the catalog's rate (1e-3), no auxiliary loss
     ceiling = run["ceiling"]
     near = [(step["it"], layer) for step in run["steps"] for layer, load in step["load"].items()
             if load > NEAR_CEILING * ceiling]
@@ -102,3 +111,62 @@ def test_a_bf16_token_counter_stops_counting() -> None:
             c += torch.tensor([100]).sum(dim=0)
     assert float(counts[torch.float32]) == 100_000
     assert float(counts[torch.bfloat16]) < 50_000
+
+
+@pytest.mark.parametrize("name", ["step-3.5-flash-slice-1gpu", "step-3.5-flash-slice-ep2"])
+def test_the_slices_and_the_moe_proxy_train_with_megatrons_auxiliary_loss(name: str) -> None:
+    import engine_megatron
+
+    from stepdeploy.catalog import load_model
+
+    kwargs = engine_megatron.load_balancing_kwargs(load_model(name).model_dump()["moe"])
+    assert kwargs == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.3,
+                      "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}
+    proxy = engine_megatron.load_balancing_kwargs(load_model("proxy-0.7b-moe").model_dump()["moe"])
+    assert proxy == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.1}
+
+
+def judged(run: dict) -> list[float]:
+    """What the soak's expert_load gate judges: after the warm-up, each step's worst MoE layer."""
+    return [max(step["load"].values()) for step in run["steps"] if step["it"] > WARMUP]
+
+
+def gate_passes(run: dict) -> bool:
+    loads = judged(run)
+    return sorted(loads)[len(loads) // 2] <= NEAR_CEILING * run["ceiling"]  # the median (upper, for even counts)
+
+
+def test_at_the_slices_width_the_catalogs_router_stays_balanced() -> None:
+    """Why the slice has an auxiliary loss beside the expert bias: at its width the bias alone collapses (bench
+    case below); the loss trains the router's weights away from what every token's input shares, and those
+    weights move by about the learning rate x the width a step."""
+    run = train(WIDE)
+    assert run["settings"]["overrides"] == {}  # the catalog's slice as rendered
+    assert gate_passes(run), judged(run)
+    assert judged(run)[-1] <= NEAR_CEILING * run["ceiling"], judged(run)
+
+
+@pytest.mark.bench
+def test_at_the_slices_width_the_expert_bias_alone_collapses() -> None:
+    run = train(WIDE | {"overrides": BIAS_ONLY})
+    assert not gate_passes(run), judged(run)
+    assert judged(run)[-1] > NEAR_CEILING * run["ceiling"]
+
+
+@pytest.mark.bench
+def test_a_frozen_router_collapses_too() -> None:
+    """Not the router's training: with its weights held at their start the load collapses the same way, while
+    the share of the router's input that every token has in common grows (0.3 -> 0.9 at width 128)."""
+    run = train({"steps": STEPS, "schedule": SCHEDULE, "router_lr_mult": 0.0, "overrides": BIAS_ONLY})
+    assert not gate_passes(run), judged(run)
+    assert run["steps"][-1]["common"][-1] > 2 * run["steps"][0]["common"][-1]
+
+
+PROXY = {"model": "proxy-0.7b-moe", "experts": 8, "topk": 2, "hidden": 2048, "ffn": 16, "moe_ffn": 16, "kv": 32,
+         "layers": 2, "seq": 32, "steps": STEPS, "schedule": SCHEDULE}
+
+
+@pytest.mark.bench
+def test_at_the_moe_proxys_width_the_catalogs_router_stays_balanced() -> None:
+    run = train(PROXY)
+    assert gate_passes(run), judged(run)
