@@ -32,7 +32,9 @@ def tiny_step_model() -> Any:
                 num_query_groups=2, kv_channels=16, sliding_window=8, ffn_hidden_size=96, vocab_size=128,
                 max_position_embeddings=64, swiglu_limits={2: 0.02, 3: 0.02}, swiglu_limits_shared={3: 0.02})
     data["rope"]["llama3_scaling"]["original_max_position_embeddings"] = 64
-    data["moe"].update(num_experts=4, topk=2, ffn_hidden_size=32, shared_expert_ffn_hidden_size=32)
+    # aux_loss_coeff 0: the reference is the architecture; the slice's auxiliary loss is a training term that
+    # adds to the router's gradient (test_router_balance.py)
+    data["moe"].update(num_experts=4, topk=2, ffn_hidden_size=32, shared_expert_ffn_hidden_size=32, aux_loss_coeff=0.0)
     data["training"].update(seq_length=SEQ, global_batch_size=BATCH)
     return parse_model(data)
 

@@ -31,7 +31,7 @@ NEAR_CEILING = 0.9  # the soak's expert_load gate fails above 90 % of E/k
 BIAS_ONLY = {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0}  # the catalog's router until
 # 2026-12-02: the expert bias alone (1e-3 a step), no auxiliary loss
 # The slice's real width (4,096) with everything else slimmed: the router sees the hidden width only.
-WIDE = {"hidden": 4096, "ffn": 64, "moe_ffn": 32, "kv": 32, "layers": 1, "seq": 32, "steps": 8,
+WIDE = {"hidden": 4096, "ffn": 64, "moe_ffn": 32, "kv": 32, "layers": 1, "seq": 32, "micro_batches": 1, "steps": 8,
         "schedule": SCHEDULE}
 WARMUP = 3
 
