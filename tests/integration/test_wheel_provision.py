@@ -1,6 +1,8 @@
 """`stepdeploy provision --check` from the installed wheel (tests/wheel_venv.py), run from a directory outside
 this checkout: the playbooks, the roles and the filter plugin all come from the wheel's package, real Ansible
-over real SSH on one node of the simulated cluster, which check mode leaves as it was."""
+over real SSH on one node of the simulated cluster, which check mode leaves as it was. With the sim-standin
+profile, so every role of site.yml but slurm runs in check mode (the suite's check-mode case of those roles on a
+fresh node; test_slurm_role.py has the slurm role's)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,13 @@ APT_CACHE = {"var", "var/cache", "var/cache/apt"}  # apt rebuilds its binary cac
 
 def test_provision_check_from_the_installed_wheel(sim_cluster: Cluster, wheel_install: InstalledWheel,
                                                   tmp_path: Path) -> None:
+    # The sim-standin profile: the NVIDIA roles (against the stand-in repository every simulated cluster
+    # serves) run in check mode too, so this is also the suite's check-mode case of every role on a fresh
+    # node (test_roles.py's own moved to bench/, marker `bench`).
+    text = sim_cluster.cfg.inventory.read_text()
+    assert "stepdeploy_profile=sim-cpu\n" in text
     inventory = tmp_path / "inventory.ini"
-    inventory.write_text(sim_cluster.cfg.inventory.read_text())
+    inventory.write_text(text.replace("stepdeploy_profile=sim-cpu\n", "stepdeploy_profile=sim-standin\n"))
     before = _upper_files(sim_cluster, NODE)
     started = time.monotonic()
     res = wheel_install.run(wheel_install.stepdeploy, "provision", inventory, "--check", "--limit", NODE, "--json",
