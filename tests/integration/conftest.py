@@ -28,11 +28,23 @@ TEST_CLUSTER = "sdtest"
 TEST_SUBNET = "10.78.0.0/24"
 
 
+# The two files that share the Slurm cluster (slurm_sim): the role's cases first, as its check mode needs
+# fresh nodes and its provisioning is what the executor's cases then run on.
+SLURM_ROLE_FILE = "test_slurm_role.py"
+SLURM_EXECUTOR_FILE = "test_slurm_executor.py"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
+    executor = [item for item in items if Path(str(item.fspath)).name == SLURM_EXECUTOR_FILE]
+    role = [i for i, item in enumerate(items) if Path(str(item.fspath)).name == SLURM_ROLE_FILE]
+    if executor and role and items.index(executor[0]) < role[-1]:
+        rest = [item for item in items if item not in executor]
+        at = rest.index(items[role[-1]]) + 1
+        items[:] = rest[:at] + executor + rest[at:]
 
 
 def require_sim() -> None:
@@ -86,6 +98,25 @@ def sim_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         report = down(cfg)
         assert report.leftovers == [], f"sim down left: {report.leftovers}"
+
+
+@pytest.fixture(scope="session")
+def slurm_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimConfig]:
+    """The 2-node cluster test_slurm_role.py provisions with the slurm role (check mode on the fresh nodes
+    first) and test_slurm_executor.py then runs its Slurm jobs on: one cluster and one provisioning for both
+    (collection orders the role's cases first). Torn down (and checked) at the end of the session."""
+    with private_cluster(tmp_path_factory, "sdslurm", "10.89.0.0/24", 8090, nodes=2) as cfg:
+        try:
+            yield cfg
+        finally:  # Ansible's SSH ControlMasters would keep the nodes' namespaces alive
+            close_ssh_masters(cfg.dir / "cp")
+
+
+def close_ssh_masters(control_dir: Path) -> None:
+    """Close every SSH ControlMaster whose socket is in `control_dir`."""
+    for socket in control_dir.glob("*"):
+        subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={socket}", "node"], capture_output=True,
+                       timeout=30, check=False)
 
 
 def stepdeploy_cli(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:

@@ -3,8 +3,9 @@ repository (real Debian packages with their dependency closure, plus stand-ins c
 names and versions in their own repository), real pip from its wheelhouse.
 
 One 3-node cluster of its own (name, subnet and port differ from every other test's): node1 and node2 are
-provisioned with the `sim-standin` profile; node3 stays fresh — it is what `--check` must not change and
-what `--limit node1,node2` must not touch.
+provisioned with the `sim-standin` profile; node3 stays fresh — it is what `--limit node1,node2` must not touch
+and what `--check` must not change (that case has marker `bench`: bench/suite_bench.sh runs it; the suite's
+check mode of every role on a fresh node is test_wheel_provision.py's, same profile).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def _absent(cluster: RolesCluster, name: str) -> None:
     cluster.sh(name, script)
 
 
+@pytest.mark.bench  # the suite's check-mode case of every role: test_wheel_provision.py (same profile, node files)
 def test_check_mode_on_a_fresh_node_changes_nothing(cluster: RolesCluster, tmp_path: Path) -> None:
     runner = cluster.playbook(tmp_path, limit=FRESH, check=True)
     assert runner.rc == 0, _events_failed(runner)

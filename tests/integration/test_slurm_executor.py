@@ -26,7 +26,7 @@ from stepdeploy.ledger import Ledger
 from stepdeploy.remote.ssh import Endpoint, connection
 from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import private_cluster, stepdeploy_cli
+from .conftest import close_ssh_masters, stepdeploy_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "4", "--checkpoint-interval", "2",
@@ -36,22 +36,23 @@ SITE = ANSIBLE / "playbooks" / "site.yml"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimConfig]:
-    with private_cluster(tmp_path_factory, "sdsexec", "10.90.0.0/24", 8091, nodes=2) as cfg:
-        control = cfg.dir / "cp"
-        try:
+def cluster(slurm_sim: SimConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimConfig]:
+    """The session's Slurm cluster (conftest.slurm_sim): test_slurm_role.py's cases provision it first (site.yml
+    with the slurm role); run without them, or after they left Slurm down, roles/slurm is applied here."""
+    cfg = slurm_sim
+    control = cfg.dir / "cp-executor"
+    try:
+        if _on(cfg, 1, "sinfo -h -N -o %t 2>/dev/null").split() != ["idle", "idle"]:
             runner = ansible_run.run(tmp_path_factory.mktemp("ansible"), cfg.inventory, playbook=str(SITE),
                                      tags="slurm", extravars={"stepdeploy_profile": "sim-cpu",
                                                               "stepdeploy_slurm": True},
                                      envvars={"ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"),
                                               "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control)})
             assert runner.rc == 0, f"roles/slurm failed: {runner.stdout.read()[-3000:]}"
-            assert _on(cfg, 1, "sinfo -h -N -o %t").split() == ["idle", "idle"], _on(cfg, 1, "sinfo")
-            yield cfg
-        finally:  # Ansible's SSH ControlMasters would keep the nodes' namespaces alive
-            for socket in control.glob("*"):
-                subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={socket}", "node"], capture_output=True,
-                               timeout=30, check=False)
+        assert _on(cfg, 1, "sinfo -h -N -o %t").split() == ["idle", "idle"], _on(cfg, 1, "sinfo")
+        yield cfg
+    finally:  # Ansible's SSH ControlMasters would keep the nodes' namespaces alive
+        close_ssh_masters(control)
 
 
 def _on(cfg: SimConfig, index: int, command: str) -> str:

@@ -2,7 +2,8 @@
 cluster's repository, real Ansible over real SSH, real slurmctld/slurmd daemons (started without systemd, as
 the nodes have none), real jobs.
 
-One 2-node cluster of its own ("sdslurm"): `--check` on the fresh nodes changes nothing; site.yml with every
+One 2-node cluster ("sdslurm", conftest's slurm_sim, which test_slurm_executor.py's jobs run on after these
+cases): `--check` on the fresh nodes changes nothing; site.yml with every
 role (but python_env, which test_roles.py covers) and stepdeploy_slurm=true; then `sinfo`, `srun -N2`, a
 failing batch job, the shared munge key (never in Ansible's output), memlock taken from slurmd, and a re-run
 that changes nothing but starting the slurmd stopped before it. A 4-node cluster ("sdslurm4", markers `slurm4`
@@ -24,7 +25,7 @@ import pytest
 from stepdeploy import ansible_run
 from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import private_cluster
+from .conftest import close_ssh_masters, private_cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
@@ -62,9 +63,7 @@ class SlurmCluster:
 
     def close_ssh_masters(self) -> None:
         """No SSH ControlMaster outlives the nodes."""
-        for socket in (self.cfg.dir / "cp").glob("*"):
-            subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={socket}", "node"], capture_output=True,
-                           timeout=30, check=False)
+        close_ssh_masters(self.cfg.dir / "cp")
 
     def node_states(self) -> dict[str, str]:
         out = self.sh("node1", "sinfo --noheader --Node --format='%N %T'").stdout
@@ -82,8 +81,13 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory, name: str, subnet: str, p
 
 
 @pytest.fixture(scope="module")
-def slurm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    yield from _cluster(tmp_path_factory, "sdslurm", "10.89.0.0/24", 8090, 2)
+def slurm2(slurm_sim: SimConfig) -> Iterator[SlurmCluster]:
+    """The session's Slurm cluster (conftest.slurm_sim), fresh here: test_slurm_executor.py runs on it after."""
+    cluster = SlurmCluster(cfg=slurm_sim, nodes=["node1", "node2"])
+    try:
+        yield cluster
+    finally:
+        cluster.close_ssh_masters()
 
 
 @pytest.fixture(scope="module")
