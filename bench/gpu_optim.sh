@@ -13,7 +13,8 @@
 set -euo pipefail
 model=proxy-0.7b-dense
 first=6 iterations=20
-layouts=("foreach=mbs=4" "fused=mbs=4,optimizer=fused" "offload=mbs=4,offload=on,precision_aware_optimizer=on")
+# NAME=LAYOUT entries; LAYOUTS="foreach8=mbs=8 fused8=mbs=8,optimizer=fused" measures others (the same for --summarize)
+read -ra layouts <<< "${LAYOUTS:-foreach=mbs=4 fused=mbs=4,optimizer=fused offload=mbs=4,offload=on,precision_aware_optimizer=on}"
 python=${PYTHON:-python3}
 
 plans_and_table() {  # DIR: `stepdeploy plan --json` of every layout into DIR, then the table of DIR's runs
