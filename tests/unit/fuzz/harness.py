@@ -79,6 +79,8 @@ def judge(argv: list[str], result: dict[str, Any], stdout: str, stderr: str, bef
         changed = sorted(set(before.items()) ^ set(after.items()))
         if changed:
             problems.append(f"bad input, yet the case directory changed: {[c[0] for c in changed][:5]}")
+    if "--json" in argv and result["rc"] in (0, 1) and not result["timed_out"]:
+        problems += _one_json_document(stdout)
     if "\x1b" in stdout or "\x1b" in stderr:
         problems.append("an escape sequence reached the terminal")
     if MARKER in _names(case_dir):  # `touch PWNED` ran (a file *named* "$(touch PWNED)" is only a name)
@@ -94,6 +96,15 @@ def _one_error_line(stderr: str) -> list[str]:
     rest = lines[errors[0] + 1:]
     if len(rest) > 1 or (rest and not rest[0].startswith("hint: ")):
         return [f"lines after the error line: {rest[:3]}"]
+    return []
+
+
+def _one_json_document(stdout: str) -> list[str]:
+    """--json: what stdout holds is exactly one JSON document (issue 22), whatever else went to stderr."""
+    try:
+        json.loads(stdout)
+    except ValueError as exc:
+        return [f"--json, exit 0/1, but stdout is not one JSON document ({exc}): {stdout[:120]!r}"]
     return []
 
 

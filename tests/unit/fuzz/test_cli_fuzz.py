@@ -82,3 +82,12 @@ def test_the_judge_is_not_blind(tmp_path: Path) -> None:
     hung = judge(["plan"], {"rc": -9, "timed_out": True, "seconds": 45}, "\x1b[2J", "", {}, {}, tmp_path)
     assert [p.split(":")[0] for p in hung.problems] == ["hang", "an escape sequence reached the terminal",
                                                         "a hostile value was executed (PWNED marker)"]
+
+
+def test_the_json_check_refuses_two_documents_and_accepts_one() -> None:
+    """What the fuzz run asks of every --json command that exits 0 or 1 (issue 22: exactly one document)."""
+    from .harness import _one_json_document
+
+    assert _one_json_document('{"a": 1}\n') == []
+    assert _one_json_document('{"a": 1}\n{"b": 2}\n')
+    assert _one_json_document("")
