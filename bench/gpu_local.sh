@@ -25,6 +25,8 @@ echo "preflight exit $?"
 fi
 
 if [[ $steps == *" rollout "* ]]; then
+# a second call on a warm box: the last call's runs (the node refuses a run directory holding another rendering)
+rm -rf /tmp/local-dense /var/lib/stepdeploy/runs/local-dense-*
 started=$SECONDS
 timeout 300 python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir /tmp/local-dense \
     -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 100s --checkpoint-interval 40 \
@@ -41,6 +43,7 @@ if [[ $steps == *" moe "* ]]; then
 # 30 of the soak (the MoE save's stall, issue 21) and a kill after it. A checkpoint is ~48 GB: the box's /dev/shm
 # (half its 128 GiB) holds one, so one is kept and the soak ends before the restarted run's next save
 python3 -m stepdeploy data prepare README.md docs --out /tmp/corpus --json > "$keep/data.json" 2> "$keep/data.log"
+rm -rf /tmp/local-moe /var/lib/stepdeploy/runs/local-moe-*
 df -h /dev/shm | tee "$keep/shm.txt"
 started=$SECONDS
 timeout "${MOE_TIMEOUT:-450}" python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir /tmp/local-moe \
