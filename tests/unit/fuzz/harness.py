@@ -79,7 +79,8 @@ def judge(argv: list[str], result: dict[str, Any], stdout: str, stderr: str, bef
         changed = sorted(set(before.items()) ^ set(after.items()))
         if changed:
             problems.append(f"bad input, yet the case directory changed: {[c[0] for c in changed][:5]}")
-    if "--json" in argv and result["rc"] in (0, 1) and not result["timed_out"]:
+    asks_help = "--help" in argv or "-h" in argv  # help wins over --json: it prints the usage, as it should
+    if "--json" in argv and not asks_help and result["rc"] in (0, 1) and not result["timed_out"]:
         problems += _one_json_document(stdout)
     if "\x1b" in stdout or "\x1b" in stderr:
         problems.append("an escape sequence reached the terminal")

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import megatron_cpu  # noqa: E402,F401 (a process spawned from here -- a rank's checkpoint writer -- needs its set-up)
+
 CASES = {"offload": "mbs=2,offload=on,precision_aware_optimizer=on", "vpp": "pp=2,vpp=2,mbs=2"}
 
 
