@@ -2,10 +2,11 @@
 # One H200 box without sshd, driven through the local executor (issue 19). Node side as the python_env role would
 # make it; the controller is this checkout on PYTHONPATH (bench/gpu_box.sh). Then: preflight of the box; the dense
 # proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after; with STEPS naming moe, the
-# Step-3.5-Flash slice's rollout (warmup, scale, soak with checkpoints and a kill) on prepared data. Results in
+# Step-3.5-Flash slice's rollout (warmup, scale, soak with checkpoints and a kill) on prepared data; with moeproxy,
+# the MoE proxy's rollout (warmup, soak) on the synthetic stream. Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout moe"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout moe moeproxy"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -57,6 +58,22 @@ left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
 echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-moe.log"
 fi
 
+if [[ $steps == *" moeproxy "* ]]; then
+# the MoE proxy's own rollout (issue 20: it passes on one GPU) on the default data, the seeded synthetic stream:
+# warm-up, then a soak whose gates judge the expert load after the warm-up; no checkpoint (~50 GB each)
+rm -rf /tmp/local-moeproxy /var/lib/stepdeploy/runs/local-moeproxy-*
+started=$SECONDS
+timeout "${MOEPROXY_TIMEOUT:-240}" python3 -m stepdeploy rollout run -i "$inv" --executor local \
+    --run-dir /tmp/local-moeproxy -m proxy-0.7b-moe --stages warmup,soak --warmup-iterations 6 \
+    --soak-duration "${MOEPROXY_SOAK:-60s}" --checkpoint-interval 100000 > "$keep/local-moeproxy.log" 2>&1
+echo "exit $? after $((SECONDS - started)) s" >> "$keep/local-moeproxy.log"
+tail -n 2 "$keep/local-moeproxy.log"
+python3 -m stepdeploy report /tmp/local-moeproxy > "$keep/local-moeproxy-report.txt" 2>&1
+grep -i "expert_load\|moe_load" "$keep/local-moeproxy-report.txt" | head -5
+left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
+echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-moeproxy.log"
+fi
+
 runs=()
-for run in local-dense local-moe; do [ -d "/tmp/$run" ] && runs+=("$run"); done
+for run in local-dense local-moe local-moeproxy; do [ -d "/tmp/$run" ] && runs+=("$run"); done
 tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out "${runs[@]}"

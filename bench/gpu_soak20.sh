@@ -5,7 +5,7 @@
 # (setsid: the device machine keeps such a process between calls while it stays warm) and later calls wait for it:
 #
 #   OUT=$OUT bash bench/gpu_soak20.sh start .whl     # first call: set the box up, start the rollout, return
-#   OUT=$OUT bash bench/gpu_soak20.sh wait .whl      # next calls, back to back: wait up to 9 min; when the rollout
+#   OUT=$OUT bash bench/gpu_soak20.sh wait .whl      # next calls, back to back: wait up to 9 min (WAIT_S); when the rollout
 #                                                    # ended, its report and files in $OUT/soak20.tgz
 set -uo pipefail
 mode=${1:?start or wait}
@@ -25,11 +25,15 @@ case $mode in
             -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 20m \
             --checkpoint-interval 90 --inject kill:rank=last@10m > "$2/soak20.log" 2>&1; echo "exit $?" > "$2/done"' \
             _ "$run" "$keep" < /dev/null > /dev/null 2>&1 &
+        # each process's GPU memory every 30 s (the rank and its persistent checkpoint writer: the writer's CUDA
+        # context is not in the planner's memory model yet)
+        setsid nohup bash -c 'while [ ! -e "$1/done" ]; do date +%s; nvidia-smi --query-compute-apps=pid,process_name,used_memory \
+            --format=csv,noheader; sleep 30; done' _ "$keep" > "$keep/gpu-mem.txt" 2>&1 < /dev/null &
         sleep 5
         echo "started: $(head -c 300 "$keep/soak20.log")" ;;
     wait)
         export PYTHONPATH=/tmp/site:$PWD
-        for _ in $(seq 1 108); do [ -e "$keep/done" ] && break; sleep 5; done
+        for _ in $(seq 1 $(( ${WAIT_S:-540} / 5 ))); do [ -e "$keep/done" ] && break; sleep 5; done
         tail -n 3 "$keep/soak20.log"
         if [ -e "$keep/done" ]; then
             cat "$keep/done"
@@ -38,6 +42,7 @@ case $mode in
             left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
             echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/soak20.log"
             grep -i "goodput" "$keep/soak20-report.txt" | head -3
+            sort -u -t, -k2,3 "$keep/gpu-mem.txt" | grep -v '^[0-9]*$' | tail -n 6
             tar -czf "$out/soak20.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' soak20-out soak20
         else
             echo "still running"
