@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
+import megatron_writer
 import torch
 import torch.distributed as dist
 from megatron_writer import SETUP_EXIT_WAIT_S, SaveSetup, pin_ahead, pin_host_blocks, writer_environment, writer_kind
@@ -38,7 +39,11 @@ class Saver:
 
     What a process's first save would otherwise pay once inside its blocking window is done beforehand, off the
     step loop (SaveSetup): `prepare` (when this run saves at all) starts it at construction, prepare_host_memory()
-    after the first step."""
+    after the first step.
+
+    The persistent writer is watched (WriterWatchdog) from the first request handed to it until finish() or
+    abort() ends it: a writer that dies before (killed, out of memory) ends the rank at once, with the cause in its
+    log and status, instead of leaving it blocked in megatron-core's wait for the writer."""
 
     def __init__(self, ckpt_dir: Path, files: Any, keep: int, rank: int, prepare: bool = True) -> None:
         self.ckpt_dir, self.files, self.keep, self.rank = ckpt_dir, files, keep, rank
@@ -51,6 +56,8 @@ class Saver:
         self.token = token[0]
         self.queue: Any = None
         self.pending: dict[str, Any] | None = None
+        self.handing: int | None = None  # the iteration whose save is being handed to the writer
+        self.watchdog: megatron_writer.WriterWatchdog | None = None
         # STEPDEPLOY_CKPT_SETUP=0 (`render --env`): no set-up beforehand, the first save does it (to compare)
         prepare = prepare and os.environ.get("STEPDEPLOY_CKPT_SETUP", "1") != "0"
         self.setup = SaveSetup(files, rank, self.persistent) if prepare else None
@@ -82,6 +89,7 @@ class Saver:
                 request = dist_checkpointing.save(state, str(staging), content_metadata=content,
                                                   async_sharded_save=True, **_async_options(dist_checkpointing))
                 request.add_finalize_fn(seal)
+                self.handing = iteration
                 self._schedule(request)
             else:
                 dist_checkpointing.save(state, str(staging), content_metadata=content)
@@ -144,6 +152,7 @@ class Saver:
         if self.persistent and self.queue is not None:  # the writer ends with nothing in flight (not aborted)
             with contextlib.suppress(Exception):
                 self.poll(blocking=True)
+                self._disarm()  # the writer ends now because it is closed
                 self.queue.close()
             self.queue = None
 
@@ -152,6 +161,7 @@ class Saver:
         A set-up still starting the writer's Manager is waited for (a bounded time): only once started does the
         Manager have the exit handler that stops it, and multiprocessing's own exit handler, which runs after
         this one, waits for every child process it has."""
+        self._disarm()
         if self.setup is not None:
             self.setup.wait(timeout=SETUP_EXIT_WAIT_S)
         if self.queue is not None:
@@ -170,10 +180,25 @@ class Saver:
             if writer is not None and not writer.is_alive():
                 raise RuntimeError(f"the checkpoint writer process (pid {writer.pid}) has died "
                                    f"(exit code {writer.exitcode}): no save can be written")
+            if self.watchdog is None:
+                self.watchdog = megatron_writer.WriterWatchdog(lambda: megatron_writer.writer_process(self.queue),
+                                                               self._writer_died)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the writer reads this rank's tensors from its own CUDA context
         with writer_environment(self.persistent):  # megatron-core 0.16 spawns the worker at its first request
             self.queue.schedule_async_request(request)
+
+    def _disarm(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.disarm()
+            self.watchdog = None
+
+    def _writer_died(self, process: Any) -> None:
+        pending = self.pending  # (the step loop may change it meanwhile)
+        iteration = pending["iteration"] if pending is not None else self.handing
+        during = (f"during the save of iteration {iteration}" if iteration is not None
+                  else "while it page-locked its host memory" if self.warming is not None else "between saves")
+        megatron_writer.writer_died(self.rank, self.files, process, during)
 
     def _seal(self, staging: Path, iteration: int, content: dict[str, Any]) -> None:
         """The last finalize step, after megatron's (every rank's write ended, metadata written): rank 0 seals."""
@@ -187,7 +212,7 @@ class Saver:
     def _commit(self, pending: dict[str, Any], polled: float) -> None:
         """`polled`: when the poll that found every write ended began (commit_s: the finalize and the commit,
         which the step loop waits for)."""
-        self.pending = None
+        self.pending = self.handing = None
         iteration = pending["iteration"]
         if self.rank == 0:
             ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep)

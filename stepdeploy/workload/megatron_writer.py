@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import multiprocessing
 import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from metrics import log
 
 SETUP_EXIT_WAIT_S = 60.0
+WRITER_DIED_EXIT = 1  # train.py's "anything else"
+# a stop signals every process of the run (node_probe.py), the writer and its rank alike: the rank exits by its own
+# stop path (exit 143), which disarms the watchdog, within the grace
+STOP_SIGNALS, STOP_GRACE_S = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP), 15.0
 
 
 class SaveSetup:
@@ -157,3 +165,80 @@ def write_results_queue() -> Any:
 
     make = getattr(filesystem_async, "get_write_results_queue", None)  # 0.19
     return (make or filesystem_async._get_write_results_queue)()  # 0.16
+
+
+def writer_process(queue: Any) -> Any:
+    """megatron-core's persistent writer process once started, else None; read without side effects (from any
+    thread): 0.19 keeps one per process on the class (PersistentAsyncCaller._persistent_process, which
+    warmup_persistent_caller may start before any request), 0.16 on the queue's caller, started by its first
+    request."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    process = (getattr(PersistentAsyncCaller, "_persistent_process", None)
+               or getattr(getattr(queue, "persistent_caller", None), "process", None))
+    return process if process is not None and process.pid is not None else None
+
+
+class WriterWatchdog:
+    """A thread that turns the persistent writer's death into `on_death(process)`, at once. megatron-core waits
+    for the writer without a timeout (0.16-0.19: `preload_q.join()` while it copies the tensors, a sleep loop on
+    its completion queue for a blocking finalize), so a writer killed mid-save (the OOM killer) would otherwise
+    hang the rank in "saving" until the heartbeat's limit and the hang timeout declared it (~10 minutes).
+
+    Armed from construction (the Saver's first request to the writer) until disarm(), which the Saver calls
+    before it ends the writer itself (finish(), abort()): a writer it closed is never a death. `locate()` gives
+    the writer's process, or None while it is not started yet (0.16 starts it inside the first request). A writer
+    ended by a stop signal gets `stop_grace_s` for the rank's own stop to disarm the watchdog first."""
+
+    def __init__(self, locate: Callable[[], Any], on_death: Callable[[Any], None], interval: float = 0.5,
+                 stop_grace_s: float = STOP_GRACE_S) -> None:
+        self.locate, self.on_death, self.interval, self.stop_grace_s = locate, on_death, interval, stop_grace_s
+        self.disarmed = threading.Event()
+        self.lock = threading.Lock()  # disarm() returns only once a death being reported is done
+        self.thread = threading.Thread(target=self._watch, name="checkpoint-writer-watchdog", daemon=True)
+        self.thread.start()
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.disarmed.set()
+
+    def _watch(self) -> None:
+        while not self.disarmed.is_set():
+            process = self.locate()
+            if process is None:
+                self.disarmed.wait(self.interval)
+                continue
+            process.join(self.interval)  # returns at once when the process ends (it waits on its sentinel)
+            if process.exitcode is None:
+                continue
+            if -process.exitcode in STOP_SIGNALS:
+                self.disarmed.wait(self.stop_grace_s)
+            with self.lock:
+                if not self.disarmed.is_set():
+                    self.on_death(process)
+            return
+
+
+def exit_cause(exitcode: int) -> str:
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def writer_died(rank: int, files: Any, process: Any, during: str) -> None:
+    """The rank cannot save any more and may be blocked inside megatron-core waiting for the writer: log the cause,
+    record the exit, end this process's other children (megatron's results Manager) and exit at once (os._exit:
+    the main thread cannot be interrupted). Nothing when the rank already recorded an exit of its own (a stop)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads(files.status.read_text()).get("state") == "exited":
+            return
+    message = f"checkpoint writer process {process.pid} died ({exit_cause(process.exitcode)}) {during}"
+    log(rank, f"{message}: the rank cannot save, it exits")
+    with contextlib.suppress(Exception):
+        files.exited(WRITER_DIED_EXIT, message)
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
+    os._exit(WRITER_DIED_EXIT)
