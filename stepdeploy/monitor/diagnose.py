@@ -69,6 +69,14 @@ SIGNATURES = (
          "the training diverged: the loss or the gradients became NaN/Inf",
          "restart from the last checkpoint with a lower learning rate or longer warmup; inspect the batch at "
          "that iteration; check bf16 overflow"),
+    _sig("checkpoint_writer_died", r"checkpoint writer process \d+ died",
+         "a rank's checkpoint writer process (megatron-core's persistent writer) died -- killed (SIGKILL: usually "
+         "the kernel's OOM killer) or crashed -- while the rank depended on it: the rank exited at once (its save in "
+         "flight is not committed; `latest` names the previous checkpoint)",
+         "the log line names the signal or exit code; for SIGKILL, dmesg | grep -i -e oom -e 'Killed process' on "
+         "the node (the writer holds a host copy of its rank's checkpoint shard: lower host memory use or add "
+         "memory); then `stepdeploy rollout resume` (it resumes from `latest`); STEPDEPLOY_CKPT_WRITER=fork "
+         "writes with a process forked per save instead"),
     _sig("ib_error", r"NET/IB\s*:.*(error|fail)|IBV_WC_\w+_ERR|transport retry counter exceeded|ibv_\w+ failed"
                      r"|NET/IB : Got completion",
          "an InfiniBand/RoCE queue pair failed after its retries (NCCL_IB_TIMEOUT 20, RETRY_CNT 7: ~34 s)",

@@ -113,3 +113,16 @@ def test_a_taken_rendezvous_port_names_the_run_left_on_the_node():
            "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
     (found,) = diagnose(log)
     assert found.signature == "port_in_use" and "another run" in found.cause and "rollout stop" in found.fix
+
+
+def test_a_dead_checkpoint_writer_is_named_before_its_peers_lost_collectives():
+    # the megatron engine's log line when its persistent checkpoint writer dies (megatron_writer.writer_died); the
+    # other ranks' collectives then lose this rank
+    log = ("[rank 3] checkpoint writer process 81234 died (killed by signal SIGKILL) during the save of iteration "
+           "400: the rank cannot save, it exits\n"
+           "[rank 0] RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    found = diagnose(log)
+    assert [d.signature for d in found] == ["checkpoint_writer_died", "gloo_connection"]
+    assert "OOM killer" in found[0].cause and "not committed" in found[0].cause
+    assert "dmesg" in found[0].fix and "rollout resume" in found[0].fix
+    assert found[0].evidence.startswith("[rank 3] checkpoint writer process 81234 died")
