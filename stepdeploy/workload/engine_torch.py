@@ -287,6 +287,7 @@ class Saver:
         self.ckpt_dir, self.files, self.keep, self.writes = ckpt_dir, files, keep, writes
         self.token = ckpt.new_token()
         self.pending: dict[str, Any] | None = None
+        self.remover = ckpt.Remover()  # retention's deletions, off the step loop
 
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """Repair this node's store, then load the newest iteration every node has (0: a fresh start)."""
@@ -334,6 +335,7 @@ class Saver:
         if self.pending is not None:
             with self.files.saving(iteration):
                 self.poll(blocking=True)
+        self.remover.drain()
 
     def poll(self, blocking: bool = False) -> None:
         """Every rank: commit the save in flight once every node's write is done (blocking: wait for it)."""
@@ -355,7 +357,7 @@ class Saver:
             raise RuntimeError(f"checkpoint {iteration}: the write failed on another node (see its log)")
         committing = time.time()
         if self.writes:
-            ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep)
+            ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep, remove=self.remover)
         now = time.time()
         written = outcome.get("written", committing)
         self.files.phase("save_committed", now, iteration=iteration, began=pending["began"],

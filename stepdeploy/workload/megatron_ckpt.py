@@ -56,6 +56,7 @@ class Saver:
         self.token = token[0]
         self.queue: Any = None
         self.pending: dict[str, Any] | None = None
+        self.remover = ckpt.Remover()  # retention's deletions, off the step loop
         self.handing: int | None = None  # the iteration whose save is being handed to the writer
         self.watchdog: megatron_writer.WriterWatchdog | None = None
         # STEPDEPLOY_CKPT_SETUP=0 (`render --env`): no set-up beforehand, the first save does it (to compare)
@@ -155,6 +156,7 @@ class Saver:
                 self._disarm()  # the writer ends now because it is closed
                 self.queue.close()
             self.queue = None
+        self.remover.drain()
 
     def abort(self) -> None:
         """A stop or a failure: end the write in flight without committing it (what it left is not sealed).
@@ -215,7 +217,7 @@ class Saver:
         self.pending = self.handing = None
         iteration = pending["iteration"]
         if self.rank == 0:
-            ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep)
+            ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep, remove=self.remover)
             log(0, f"checkpoint {iteration} committed")
         now = time.time()
         written = min(pending.get("written", polled), polled)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import ckpt  # tests/unit/workload/conftest.py puts the workload directory on sys.path
@@ -24,7 +25,7 @@ import ckpt
 from pathlib import Path
 
 ckpt_dir, payload = Path(sys.argv[2]), sys.argv[4]
-iteration, keep, kill_at = int(sys.argv[3]), int(sys.argv[5]), int(sys.argv[6])
+iteration, keep, kill_at, background = int(sys.argv[3]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7] == "1"
 calls = [0]
 
 def counted(fn):
@@ -40,7 +41,10 @@ for name in ("replace", "rename", "fsync", "unlink", "rmdir", "mkdir"):
 staging = ckpt.staging_dir(ckpt_dir, iteration, "tok")
 (staging / "state.pt").write_text(payload)
 ckpt.seal(staging, iteration)
-ckpt.commit(ckpt_dir, iteration, staging, keep=keep)
+remover = ckpt.Remover() if background else None  # the deletions in a thread of their own (as the engines)
+ckpt.commit(ckpt_dir, iteration, staging, keep=keep, remove=remover)
+if remover is not None:
+    remover.drain()
 print(json.dumps({"calls": calls[0]}))
 """
 
@@ -52,9 +56,11 @@ def save(ckpt_dir: Path, iteration: int, payload: str, keep: int | None = None) 
     ckpt.commit(ckpt_dir, iteration, keep=keep)
 
 
-def child(ckpt_dir: Path, iteration: int, payload: str, keep: int, kill_at: int) -> subprocess.CompletedProcess:
+def child(ckpt_dir: Path, iteration: int, payload: str, keep: int, kill_at: int,
+          background: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", CHILD, str(WORKLOAD), str(ckpt_dir), str(iteration), payload,
-                           str(keep), str(kill_at)], capture_output=True, text=True, timeout=60, check=False)
+                           str(keep), str(kill_at), str(int(background))],
+                          capture_output=True, text=True, timeout=60, check=False)
 
 
 def content(ckpt_dir: Path, iteration: int) -> str:
@@ -70,13 +76,15 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["deleted-at-once", "deleted-by-remover"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_a_kill_at_every_point_of_a_save_leaves_latest_on_a_whole_checkpoint(scenario: str, tmp_path: Path) -> None:
+def test_a_kill_at_every_point_of_a_save_leaves_latest_on_a_whole_checkpoint(scenario: str, background: bool,
+                                                                             tmp_path: Path) -> None:
     before, iteration, keep = SCENARIOS[scenario]
     dry = tmp_path / "dry"
     for i in before:
         save(dry, i, f"old {i}")
-    done = child(dry, iteration, f"new {iteration}", keep, 0)
+    done = child(dry, iteration, f"new {iteration}", keep, 0, background)
     assert done.returncode == 0, done.stderr
     total = json.loads(done.stdout)["calls"]
     assert total >= 10, total  # staging, files, marker, renames, latest, deletions
@@ -85,7 +93,7 @@ def test_a_kill_at_every_point_of_a_save_leaves_latest_on_a_whole_checkpoint(sce
         ckpt_dir = tmp_path / f"k{kill_at}"
         for i in before:
             save(ckpt_dir, i, f"old {i}")
-        proc = child(ckpt_dir, iteration, f"new {iteration}", keep, kill_at)
+        proc = child(ckpt_dir, iteration, f"new {iteration}", keep, kill_at, background)
         assert proc.returncode == -9, (kill_at, proc.stderr)
         ckpt.repair(ckpt_dir)
         latest = ckpt.latest_iteration(ckpt_dir)
@@ -182,6 +190,33 @@ def test_retention_keeps_the_newest_k_up_to_the_committed_one(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000040", "iter_0000045", "latest"]
     with pytest.raises(ValueError):
         ckpt.prune(tmp_path, 0, 45)
+
+
+def test_a_remover_deletes_after_commit_returns_and_drain_waits_for_it(tmp_path: Path) -> None:
+    """Retention through a Remover: commit() returns with what goes already out of sight (renamed, so `latest`
+    and the complete checkpoints are final) and before it is deleted; drain() waits for the deletion."""
+    gate, handed = threading.Event(), []
+
+    def slow_remove(path: Path) -> None:
+        handed.append(path.name)
+        gate.wait(10)
+        ckpt._remove(path)
+
+    remover = ckpt.Remover()
+    remover._remove_one = slow_remove  # type: ignore[attr-defined]
+    for i in (10, 20):
+        save(tmp_path, i, str(i))
+    staging = ckpt.staging_dir(tmp_path, 30)
+    (staging / "state.pt").write_text("30")
+    ckpt.seal(staging, 30)
+    ckpt.commit(tmp_path, 30, staging, keep=1, remove=remover)
+    assert ckpt.latest_iteration(tmp_path) == 30 and ckpt.complete_iterations(tmp_path) == [30]
+    hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert len(hidden) == 2 and all(".del-" in name for name in hidden), hidden  # not deleted yet
+    gate.set()
+    remover.drain()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000030", "latest"]
+    assert sorted(handed) == hidden
 
 
 def test_the_resume_takes_the_newest_iteration_every_node_has() -> None:
