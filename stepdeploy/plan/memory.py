@@ -3,8 +3,8 @@
 `torch_allocated` is what torch.cuda.max_memory_allocated() would report on that stage's GPUs: the
 persistent state (weights, gradients, optimizer state) plus the larger of two transient peaks, the
 forward-backward one (activations, logits, dispatcher buffers; at the start of backward) and the
-optimizer-step one (torch Adam's foreach temporaries). NCCL buffers, the CUDA context and allocator
-fragmentation come on top of it in nvidia-smi.
+optimizer-step one (torch Adam's foreach temporaries). NCCL buffers, the CUDA context, the checkpoint writer's
+own CUDA context on the same GPU (another process) and allocator fragmentation come on top of it in nvidia-smi.
 """
 
 from __future__ import annotations
@@ -33,11 +33,15 @@ NCCL_BASE_MIB = 256  # assumed: NCCL workspace of the first communicator
 NCCL_PER_GROUP_MIB = 128  # assumed: each further process group of size > 1
 FLEX_BUFFER_MIB = 1024  # assumed: DeepEP (flex dispatcher) NVLink + RDMA buffers
 FRAGMENTATION = 0.05  # assumed: reserved-but-unallocated share of the caching allocator
+# The megatron engine's persistent checkpoint writer (one process per rank, for asynchronous saves) holds a CUDA
+# context on its rank's GPU: measured 518 MiB on an H200 (nvidia-smi, docs/benchmarks.md calls AB-AD; other GPUs
+# assumed the same)
+CHECKPOINT_WRITER_MIB = 518
 
 STATE_COMPONENTS = ("weights", "gradients", "optimizer")
 FORWARD_BACKWARD = ("activations", "logits", "dispatcher")  # transient: the forward-backward peak
 TORCH_COMPONENTS = (*STATE_COMPONENTS, *FORWARD_BACKWARD, "optimizer_step")
-COMPONENTS = (*TORCH_COMPONENTS, "nccl", "cuda_context", "fragmentation")
+COMPONENTS = (*TORCH_COMPONENTS, "nccl", "cuda_context", "checkpoint_writer", "fragmentation")
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,7 @@ def stage_memory(
                     sum(parts[name] for name in (*STATE_COMPONENTS, "optimizer_step")))
     parts["nccl"] = _nccl_bytes(job, layout)
     parts["cuda_context"] = cluster.gpu.cuda_context_mib * MIB
+    parts["checkpoint_writer"] = CHECKPOINT_WRITER_MIB * MIB
     parts["fragmentation"] = FRAGMENTATION * allocated
     decoder_layers = sum(1 for layer in stage.layers if not layer.mtp_extra)
     return StageMemory(stage.index, decoder_layers, parts, host_offload=host_offload)
