@@ -248,6 +248,9 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+REMOVER_EXIT_WAIT_S = 10.0  # a stop waits this long at most for the deletions in hand
+
+
 class Remover:
     """Deletes, in a thread of its own, what commit() and prune() have already taken out of sight (renamed to
     `.iter_N.del-*` / `.iter_N.old-*`), so retention does not stall the training loop: deleting a 9.6 GiB
@@ -273,9 +276,16 @@ class Remover:
             finally:
                 self._paths.task_done()
 
-    def drain(self) -> None:
-        """Wait until everything handed over is deleted (the end of a run: nothing left behind)."""
-        self._paths.join()
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything handed over is deleted (the end of a run: nothing left behind), at most `timeout`
+        seconds (a stop: what is left, repair removes). -> whether everything is deleted"""
+        if timeout is None:
+            self._paths.join()
+            return True
+        deadline = time.monotonic() + timeout
+        while self._paths.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._paths.unfinished_tasks
 
 
 def _fsync_tree(root: Path) -> None:

@@ -31,11 +31,11 @@ class Saver:
     (writer_kind()) is megatron-core's persistent worker by default (AsyncCallsQueue(persistent=True): one process
     per rank, spawned once, which makes the host copies itself from the rank's GPU tensors and keeps its
     page-locked memory between saves), or a process forked per save (TemporalAsyncCaller; the host copies made
-    by the rank). poll(), called by every rank after every step, finalizes the
-    save once every rank's write ended (megatron's finalize: write results gathered, metadata written); then rank
-    0 seals the staging directory and commits it (ckpt.py) and applies retention. At most one save in flight: the
-    next save and the end of training wait for it. The staging directory's name carries a token of this start,
-    so a writer left over from a killed start never writes into a later one's.
+    by the rank). poll(), called by every rank after every step, finalizes the save once every rank's write ended
+    (megatron's finalize: write results gathered, metadata written); then rank 0 seals the staging directory and
+    commits it (ckpt.py), retention's deletions in a thread (ckpt.Remover). At most one save in flight: the next
+    save and the end of training wait for it. The staging directory's name carries a token of this start, so a
+    writer left over from a killed start never writes into a later one's.
 
     What a process's first save would otherwise pay once inside its blocking window is done beforehand, off the
     step loop (SaveSetup): `prepare` (when this run saves at all) starts it at construction, prepare_host_memory()
@@ -56,7 +56,7 @@ class Saver:
         self.token = token[0]
         self.queue: Any = None
         self.pending: dict[str, Any] | None = None
-        self.remover = ckpt.Remover()  # retention's deletions, off the step loop
+        self.remover = ckpt.Remover()
         self.handing: int | None = None  # the iteration whose save is being handed to the writer
         self.watchdog: megatron_writer.WriterWatchdog | None = None
         # STEPDEPLOY_CKPT_SETUP=0 (`render --env`): no set-up beforehand, the first save does it (to compare)
@@ -170,6 +170,7 @@ class Saver:
             with contextlib.suppress(Exception):
                 self.queue.close(abort=True)
         self.queue = self.pending = self.warming = None
+        self.remover.drain(ckpt.REMOVER_EXIT_WAIT_S)  # a deletion cut short: the next start's repair ends it
 
     def _schedule(self, request: Any) -> None:
         if self.queue is None:

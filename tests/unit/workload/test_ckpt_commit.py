@@ -213,7 +213,9 @@ def test_a_remover_deletes_after_commit_returns_and_drain_waits_for_it(tmp_path:
     assert ckpt.latest_iteration(tmp_path) == 30 and ckpt.complete_iterations(tmp_path) == [30]
     hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
     assert len(hidden) == 2 and all(".del-" in name for name in hidden), hidden  # not deleted yet
+    assert not remover.drain(timeout=0.2)  # a stop's bounded wait: still deleting
     gate.set()
+    assert remover.drain(timeout=10)
     remover.drain()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000030", "latest"]
     assert sorted(handed) == hidden
