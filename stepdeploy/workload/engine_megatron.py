@@ -250,7 +250,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
         # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
         group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
     torch.cuda.reset_peak_memory_stats()
-    profile = traces.StepProfile(out_dir, rank, os.environ.get("STEPDEPLOY_PROFILE"))
+    profile = traces.StepProfile(out_dir, rank, os.environ.get("STEPDEPLOY_PROFILE"), first_step=start + 1)
     backward_done, step_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     gather = ParamGather(model)
     torch.cuda.synchronize()

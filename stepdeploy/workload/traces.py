@@ -1,10 +1,13 @@
 """Diagnostics of the megatron engine, off unless asked for: rank 0's memory at named phases
-(STEPDEPLOY_MEMTRACE=1) and a torch.profiler summary of chosen iterations (STEPDEPLOY_PROFILE=FIRST:LAST).
+(STEPDEPLOY_MEMTRACE=1), a torch.profiler summary of chosen iterations (STEPDEPLOY_PROFILE=FIRST:LAST) and the
+host side of a start's first step under cProfile (STEPDEPLOY_PROFILE_FIRST=1).
 Standard library + torch only (shipped as a file)."""
 
 from __future__ import annotations
 
+import cProfile
 import os
+import pstats
 import re
 from pathlib import Path
 from typing import Any
@@ -117,14 +120,19 @@ class StepProfile:
     without a GPU). The profiled iterations are flagged in metrics.jsonl so that step-time means can leave
     them out."""
 
-    def __init__(self, out_dir: Path, rank: int, spec: str | None) -> None:
+    def __init__(self, out_dir: Path, rank: int, spec: str | None, first_step: int | None = None) -> None:
         self.window = parse_window(spec)
         self.path = out_dir / f"profile-rank{rank}.json"
         self.profiler: Any = None
         self.on_gpu = False
         self.wall = 0.0
+        # with STEPDEPLOY_PROFILE_FIRST=1, this start's first step (`first_step`) under cProfile: FirstStepProfile
+        self.first = FirstStepProfile(out_dir, rank, first_step) if os.environ.get(
+            "STEPDEPLOY_PROFILE_FIRST") == "1" and first_step else None
 
     def before(self, iteration: int) -> None:
+        if self.first is not None and iteration == self.first.iteration:
+            self.first.start()
         if self.window and iteration == self.window[0]:
             from torch.profiler import ProfilerActivity, profile
 
@@ -134,8 +142,11 @@ class StepProfile:
 
     def after(self, iteration: int, step_s: float) -> bool:
         """Account the iteration just timed; True when it was profiled."""
+        first = self.first is not None and iteration == self.first.iteration
+        if first:
+            self.first.stop(step_s)  # type: ignore[union-attr]
         if self.profiler is None:
-            return False
+            return first
         self.wall += step_s
         if iteration == self.window[1]:
             self.profiler.stop()
@@ -150,3 +161,58 @@ class StepProfile:
             ckpt.atomic_write_json(self.path, result | {"window": list(self.window)})
             self.profiler = None
         return True
+
+
+# where a first step's host time goes, by the files its functions are in (FirstStepProfile.categories)
+HOST_CATEGORIES = (
+    ("torch.compile (dynamo, inductor, triton: compiling or loading from its cache)",
+     ("/torch/_dynamo/", "/torch/_inductor/", "/torch/_functorch/", "/triton/")),
+    ("imports", ("<frozen importlib._bootstrap",)),
+    ("waiting for the GPU (synchronize)", ("synchronize",)),
+    ("megatron-core", ("/megatron/core/",)),
+)
+
+
+class FirstStepProfile:
+    """The host side of the first step after a start under cProfile, every rank: what it does that later steps
+    do not (torch.compile loading or compiling kernels, lazy imports, first allocations) by Python function.
+    out/first-step-rank<R>.json: the step's wall time (cProfile's overhead in it), the time under each of
+    HOST_CATEGORIES (the cumulative time of the category's outermost functions), and the top functions by
+    cumulative and by own time."""
+
+    def __init__(self, out_dir: Path, rank: int, iteration: int) -> None:
+        self.iteration, self.path = iteration, out_dir / f"first-step-rank{rank}.json"
+        self.profiler = cProfile.Profile()
+
+    def start(self) -> None:
+        self.profiler.enable()
+
+    def stop(self, step_s: float) -> None:
+        self.profiler.disable()
+        stats = pstats.Stats(self.profiler).stats  # type: ignore[attr-defined]
+        ckpt.atomic_write_json(self.path, {"iteration": self.iteration, "step_s": round(step_s, 4),
+                                           "categories": categories(stats), "by_cumulative": top(stats, 3),
+                                           "by_own_time": top(stats, 2)})
+
+
+def function_name(key: tuple[str, int, str]) -> str:
+    path, line, name = key
+    short = path.split("site-packages/")[-1] if "site-packages/" in path else "/".join(path.split("/")[-2:])
+    return f"{short}:{line}({name})" if line else name
+
+
+def categories(stats: dict[Any, Any]) -> dict[str, float]:
+    """Seconds under each category: the cumulative time of its functions that no function of it called."""
+    out = {}
+    for label, marks in HOST_CATEGORIES:
+        def within(key: tuple[str, int, str], marks: tuple[str, ...] = marks) -> bool:
+            return any(mark in key[0] or mark in key[2] for mark in marks)
+        out[label] = round(sum(row[3] for key, row in stats.items()
+                               if within(key) and not any(within(caller) for caller in row[4])), 3)
+    return out
+
+
+def top(stats: dict[Any, Any], column: int, count: int = 30) -> list[list[Any]]:
+    """The `count` functions with the most time in `column` (2: own, 3: cumulative): [name, seconds, calls]."""
+    rows = sorted(stats.items(), key=lambda item: item[1][column], reverse=True)[:count]
+    return [[function_name(key), round(row[column], 4), row[1]] for key, row in rows]

@@ -79,3 +79,39 @@ def test_idle_gaps_are_the_holes_between_compute_kernels_and_nccl_does_not_fill_
     assert result["largest"] == [{"at_ms": 2.0, "ms": 7.0, "after": "nvjet_gemm_c",
                                   "before": "multi_tensor_apply_kernel<Adam>"}]
     assert traces.idle_gaps([]) == {"total_ms": 0.0, "count": 0, "min_us": 100.0, "largest": []}
+
+
+def test_the_first_step_of_a_start_is_profiled_on_the_host_only_when_asked(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """STEPDEPLOY_PROFILE_FIRST=1: the first step after this start (a resume: start + 1) runs under cProfile; its
+    import of a module nobody loaded yet shows under `imports`, and nothing else is profiled."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "first_step_probe_mod.py").write_text("import time\ntime.sleep(0.2)\nVALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    traces.StepProfile(tmp_path, 0, None, first_step=11).before(11)  # not asked: nothing happens
+    assert not list(tmp_path.glob("first-step-*"))
+    monkeypatch.setenv("STEPDEPLOY_PROFILE_FIRST", "1")
+    profile = traces.StepProfile(tmp_path, 2, None, first_step=11)
+    flags = []
+    for iteration in (11, 12):
+        profile.before(iteration)
+        if iteration == 11:
+            __import__("first_step_probe_mod")
+        flags.append(profile.after(iteration, 0.5))
+    assert flags == [True, False]
+    result = json.loads((tmp_path / "first-step-rank2.json").read_text())
+    assert result["iteration"] == 11 and result["step_s"] == 0.5
+    assert 0.15 < result["categories"]["imports"] < 5  # the module's import, counted once though nested
+    assert any("sleep" in row[0] for row in result["by_own_time"][:3])
+    assert result["categories"]["megatron-core"] == 0
+
+
+def test_host_categories_count_a_category_s_outermost_functions_once() -> None:
+    dynamo_outer, dynamo_inner, other = ("/x/torch/_dynamo/eval_frame.py", 10, "_fn"), \
+        ("/x/torch/_dynamo/convert_frame.py", 20, "compile"), ("/x/train.py", 5, "step")
+    stats = {other: (1, 1, 0.1, 3.0, {}),
+             dynamo_outer: (2, 2, 0.2, 2.0, {other: (2, 2, 0.2, 2.0)}),
+             dynamo_inner: (1, 1, 1.5, 1.5, {dynamo_outer: (1, 1, 1.5, 1.5)})}
+    assert traces.categories(stats)["torch.compile (dynamo, inductor, triton: compiling or loading from its cache)"] \
+        == 2.0
+    assert traces.top(stats, 2, 1) == [["_dynamo/convert_frame.py:20(compile)", 1.5, 1]]
