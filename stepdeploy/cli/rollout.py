@@ -20,7 +20,7 @@ from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
 from stepdeploy.remote import registry
-from stepdeploy.render.options import RUN_ID
+from stepdeploy.render.options import RUN_ID, parse_env
 from stepdeploy.rollout import gates, stages
 from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, StageStopped, parse_checkpoint_interval
 from stepdeploy.rollout.inject import parse_all as parse_injections
@@ -92,6 +92,8 @@ def run_cmd(
     max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="Soak: restarts from checkpoint allowed."),
     data: Path | None = typer.Option(None, "--data", help="A dataset `stepdeploy data prepare` wrote (its prefix); "
                                      "default: synthetic tokens."),
+    env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE for every rank of every stage (rendered into "
+                                  "env.sh, kept in the ledger: no secrets), e.g. STEPDEPLOY_PROFILE_FIRST=1."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print every stage, rung and gate; start nothing."),
     insecure: bool = INSECURE,
 ) -> None:
@@ -104,7 +106,7 @@ def run_cmd(
                            global_batch_size=gbs, executor=executor, inject=tuple(inject),
                            heartbeat_timeout_s=parse_duration(heartbeat_timeout),
                            monitor_interval_s=parse_duration(monitor_interval), soak_max_restarts=max_restarts,
-                           data=str(data.resolve()) if data else None,
+                           data=str(data.resolve()) if data else None, extra_env=parse_env(env),
                            thresholds=gates.Thresholds(min_scaling_efficiency=min_scaling_efficiency,
                                                        max_step_time_s=max_step_time))
     parse_injections(config.inject)  # a bad --inject exits 2 before anything starts
@@ -382,6 +384,8 @@ def _print_plan(config: RolloutConfig, cluster: Cluster) -> None:
     if needs:  # verified on the nodes before each launch (rollout/stages/needs.py), as preflight --layout does
         plan["needs"] = {"software": needs, "verified": "on every node of a rung before each launch of the target, "
                          "with preflight's check (stepdeploy preflight INVENTORY --model M --layout L)"}
+    if config.extra_env:
+        plan["env"] = dict(config.extra_env)  # every rank of every stage (env.sh)
     plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
                         "(torchrun; see `stepdeploy render`)")
     kind = registry.default_kind(cluster, config.executor)

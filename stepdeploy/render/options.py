@@ -100,6 +100,7 @@ class RenderOptions:
         if bad_keys:
             raise BadInput(f"--env {bad_keys[0]!r} is not an environment variable name; use KEY=VALUE "
                            "with KEY made of letters, digits and '_'")
+        check_no_secrets(self.extra_env)
         if self.keep_checkpoints < 1:
             raise BadInput(f"--keep-checkpoints {self.keep_checkpoints}: at least 1 (the checkpoint a restart "
                            "resumes from)")
@@ -131,4 +132,18 @@ def parse_env(pairs: list[str]) -> tuple[tuple[str, str], ...]:
         if not sep:
             raise BadInput(f"--env {pair!r}: use KEY=VALUE")
         result.append((key, value))
+    check_no_secrets(tuple(result))
     return tuple(result)
+
+
+# names that say a value is a secret: --env values land in rendered files (and a rollout's ledger)
+SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
+
+
+def check_no_secrets(pairs: tuple[tuple[str, str], ...]) -> None:
+    secret = next((key for key, _ in pairs if SECRET_NAME.search(key)), None)
+    if secret is not None:
+        raise BadInput(f"--env {secret}: its name says it holds a secret, and --env values are written into the "
+                       "rendered env.sh (and a rollout's ledger)",
+                       hint="give the nodes secrets another way: their own environment or a file only the run's "
+                            "user can read")

@@ -56,6 +56,7 @@ class RolloutConfig:
     soak_max_stalled_restarts: int = 2  # soak: stop after this many restarts in a row without progress
     node_wait_s: float = 300.0  # soak: how long a lost node may take to come back before the soak fails
     data: str | None = None  # a dataset `stepdeploy data prepare` wrote (every stage trains on it); None: synthetic
+    extra_env: tuple[tuple[str, str], ...] = ()  # --env KEY=VALUE for every rank of every stage (no secrets)
     thresholds: gates.Thresholds = field(default_factory=gates.Thresholds)
 
     def to_json(self) -> dict[str, Any]:

@@ -101,7 +101,8 @@ class AttemptService:
                              global_batch_size=self.config.global_batch_size, save_interval=save_interval,
                              keep_checkpoints=self.config.keep_checkpoints,
                              executor=self.config.executor,  # None: the inventory's stepdeploy_executor
-                             data=self.config.data, warmup_iterations=warmup, decay_iterations=decay)
+                             data=self.config.data, warmup_iterations=warmup, decay_iterations=decay,
+                             extra_env=self.config.extra_env)
 
     def render(self, rung: Rung, opts: RenderOptions, local: Path) -> dict[str, Any]:
         """Write the rung's run directory to `local` (the target's with the configured layout, a proxy's with

@@ -176,12 +176,12 @@ HOST_CATEGORIES = (
 class FirstStepProfile:
     """The host side of the first step after a start under cProfile, every rank: what it does that later steps
     do not (torch.compile loading or compiling kernels, lazy imports, first allocations) by Python function.
-    out/first-step-rank<R>.json: the step's wall time (cProfile's overhead in it), the time under each of
-    HOST_CATEGORIES (the cumulative time of the category's outermost functions), and the top functions by
-    cumulative and by own time."""
+    out/first-step-rank<R>-<iteration>.json (one per start): the step's wall time (cProfile's overhead in it),
+    the time under each of HOST_CATEGORIES (the cumulative time of the category's outermost functions), and the
+    top functions by cumulative and by own time."""
 
     def __init__(self, out_dir: Path, rank: int, iteration: int) -> None:
-        self.iteration, self.path = iteration, out_dir / f"first-step-rank{rank}.json"
+        self.iteration, self.path = iteration, out_dir / f"first-step-rank{rank}-{iteration}.json"
         self.profiler = cProfile.Profile()
 
     def start(self) -> None:

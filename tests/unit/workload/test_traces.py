@@ -99,7 +99,7 @@ def test_the_first_step_of_a_start_is_profiled_on_the_host_only_when_asked(tmp_p
             __import__("first_step_probe_mod")
         flags.append(profile.after(iteration, 0.5))
     assert flags == [True, False]
-    result = json.loads((tmp_path / "first-step-rank2.json").read_text())
+    result = json.loads((tmp_path / "first-step-rank2-11.json").read_text())
     assert result["iteration"] == 11 and result["step_s"] == 0.5
     assert 0.15 < result["categories"]["imports"] < 5  # the module's import, counted once though nested
     assert any("sleep" in row[0] for row in result["by_own_time"][:3])
