@@ -3,10 +3,11 @@
 # make it; the controller is this checkout on PYTHONPATH (bench/gpu_box.sh). Then: preflight of the box; the dense
 # proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after; with STEPS naming moe, the
 # Step-3.5-Flash slice's rollout (warmup, scale, soak with checkpoints and a kill) on prepared data; with moeproxy,
-# the MoE proxy's rollout (warmup, soak) on the synthetic stream. Results in
+# the MoE proxy's rollout (warmup, soak) on the synthetic stream; with firststep, the dense rollout with every
+# start's first step profiled. Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout moe moeproxy"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout moe moeproxy firststep"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -74,6 +75,22 @@ left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
 echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-moeproxy.log"
 fi
 
+if [[ $steps == *" firststep "* ]]; then
+# what a start's first step costs, and why (issue 20): the dense proxy's rollout with a kill, every start's first
+# step under cProfile (--env STEPDEPLOY_PROFILE_FIRST=1): the warm-up's (a cold compile cache), the soak's first
+# start and its restart (warm); first-step-rank0-<iteration>.json of each
+rm -rf /tmp/local-first /var/lib/stepdeploy/runs/local-first-*
+started=$SECONDS
+timeout "${FIRST_TIMEOUT:-200}" python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir /tmp/local-first \
+    -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 70s --checkpoint-interval 20 \
+    --inject kill:rank=last@45s --env STEPDEPLOY_PROFILE_FIRST=1 > "$keep/local-first.log" 2>&1
+echo "exit $? after $((SECONDS - started)) s" >> "$keep/local-first.log"
+tail -n 2 "$keep/local-first.log"
+python3 -m stepdeploy report /tmp/local-first > "$keep/local-first-report.txt" 2>&1
+find /tmp/local-first -name 'first-step-rank*.json' -path '*fetched*' -exec cp --backup=numbered {} "$keep/" \;
+ls "$keep" | grep first-step
+fi
+
 runs=()
-for run in local-dense local-moe local-moeproxy; do [ -d "/tmp/$run" ] && runs+=("$run"); done
+for run in local-dense local-moe local-moeproxy local-first; do [ -d "/tmp/$run" ] && runs+=("$run"); done
 tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out "${runs[@]}"
