@@ -9,6 +9,7 @@ so a resumed run sees the same data it would have seen.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 import threading
@@ -288,6 +289,7 @@ class Saver:
         self.token = ckpt.new_token()
         self.pending: dict[str, Any] | None = None
         self.remover = ckpt.Remover()  # retention's deletions, off the step loop
+        atexit.register(self.remover.drain, ckpt.REMOVER_EXIT_WAIT_S)  # a stop: what is left, repair removes
 
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """Repair this node's store, then load the newest iteration every node has (0: a fresh start)."""
