@@ -4,10 +4,10 @@
 # proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after; with STEPS naming moe, the
 # Step-3.5-Flash slice's rollout (warmup, scale, soak with checkpoints and a kill) on prepared data; with moeproxy,
 # the MoE proxy's rollout (warmup, soak) on the synthetic stream; with firststep, the dense rollout with every
-# start's first step profiled. Results in
+# start's first step profiled; with moewarm, the MoE proxy's routers under a warm-up from near zero. Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout moe moeproxy firststep"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout moe moeproxy firststep moewarm"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -91,6 +91,31 @@ find /tmp/local-first -name 'first-step-rank*.json' -path '*fetched*' -exec cp -
 ls "$keep" | grep first-step
 fi
 
+if [[ $steps == *" moewarm "* ]]; then
+# the MoE proxy's routers against the learning-rate warm-up (issue 20: one step at the peak collapses them): a run of
+# MOEWARM_ITERS iterations whose lr ramps from peak/W over W = MOEWARM_WARMUP iterations (render + run launch, no
+# checkpoint); its metrics (moe_load per layer and step) in $keep/moewarm-metrics.jsonl
+run=/tmp/local-moewarm
+rm -rf "$run"
+started=$SECONDS
+python3 -m stepdeploy render -i "$inv" -m proxy-0.7b-moe --stage warmup --iterations "${MOEWARM_ITERS:-75}" \
+    --warmup-iterations "${MOEWARM_WARMUP:-50}" --save-interval 0 --run-id "moewarm-$(date -u +%H%M%S)" \
+    --out "$run" > "$keep/moewarm-render.log" 2>&1 || echo "render failed: $(tail -n 3 "$keep/moewarm-render.log")"
+timeout "${MOEWARM_TIMEOUT:-170}" python3 -m stepdeploy run launch "$run" --executor local --follow \
+    > "$keep/moewarm.log" 2>&1
+echo "exit $? after $((SECONDS - started)) s" >> "$keep/moewarm.log"
+tail -n 2 "$keep/moewarm.log"
+python3 -m stepdeploy run fetch "$run" --executor local > /dev/null 2>&1
+find "$run" -name metrics.jsonl -path '*fetched*' -exec cp {} "$keep/moewarm-metrics.jsonl" \;
+python3 - "$keep/moewarm-metrics.jsonl" <<'PY' || true
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if "moe_load_max" in line]
+for r in rows:
+    print(r["iteration"], f'lr {r["lr"]:.3g}', f'loss {r["loss"]:.3f}', "max", r["moe_load_max"],
+          " ".join(f"{v:.2f}" for v in r["moe_load"].values()))
+PY
+fi
+
 runs=()
-for run in local-dense local-moe local-moeproxy local-first; do [ -d "/tmp/$run" ] && runs+=("$run"); done
+for run in local-dense local-moe local-moeproxy local-first local-moewarm; do [ -d "/tmp/$run" ] && runs+=("$run"); done
 tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out "${runs[@]}"

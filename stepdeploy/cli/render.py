@@ -35,6 +35,8 @@ def render(
     keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", min=1, help="Committed checkpoints kept (the "
                                          "newest K; older ones are deleted once a newer one is committed)."),
     lr: float | None = finite_option(None, "--lr", help="Peak learning rate (default: the model's, else 3e-3)."),
+    warmup_iterations: int | None = typer.Option(None, "--warmup-iterations", min=1, help="Learning-rate warm-up "
+                                                 "from peak/N to the peak (default: a tenth of the iterations)."),
     seed_option: list[str] = typer.Option([], "--seed-option", help=f"{', '.join(SEED_OPTIONS)}."),
     env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE for every rank (quoted when rendered)."),
     no_nvls: bool = typer.Option(False, "--no-nvls", help="NCCL_NVLS_ENABLE=0 and the other multicast switches."),
@@ -53,7 +55,7 @@ def render(
         run_id=run_id or f"{model}-{stage}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
         stage=stage, engine=engine, iterations=iterations, seq_length=seq, global_batch_size=gbs,
         nproc_per_node=nproc, pg_timeout_s=pg_timeout, save_interval=save_interval, lr=lr,
-        keep_checkpoints=keep_checkpoints,
+        warmup_iterations=warmup_iterations, keep_checkpoints=keep_checkpoints,
         seed_options=tuple(seed_option), extra_env=parse_env(env), disable_nvls=no_nvls,
         remote_dir=remote_dir, python=python, data=str(data) if data else None)
     if not dry_run:

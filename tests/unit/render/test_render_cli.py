@@ -161,3 +161,17 @@ def test_keep_checkpoints_reaches_the_workload_and_must_keep_one(tmp_path: Path)
     assert res.exit_code == 2 and not (tmp_path / "k0").exists()
     with pytest.raises(BadInput, match="keep-checkpoints 0"):
         RenderOptions(run_id="r", keep_checkpoints=0)
+
+
+def test_warmup_iterations_reach_the_workload_else_a_tenth(tmp_path: Path) -> None:
+    def training(name: str, *args: str) -> dict:
+        out = tmp_path / name
+        res = run(tmp_path, SIM_INI, "-m", "tiny-dense", "--out", str(out), "--iterations", "75", *args)
+        assert res.exit_code == 0, res.output
+        return json.loads((out / "workload.json").read_text())["training"]
+
+    assert training("tenth")["warmup_iterations"] == 7
+    given = training("given", "--warmup-iterations", "50")
+    assert given["warmup_iterations"] == 50 and given["iterations"] == 75
+    res = run(tmp_path, SIM_INI, "-m", "tiny-dense", "--out", str(tmp_path / "w0"), "--warmup-iterations", "0")
+    assert res.exit_code == 2 and not (tmp_path / "w0").exists()
