@@ -9,7 +9,10 @@ expert, the busiest expert's bias and its lead (margin), and how much of each ro
     python megatron_cpu_router.py '{"steps": 30, "lr": 3e-4, "warmup": 3, ...}'   (keys: see SETTINGS; "schedule":
     the iterations the cosine decays over, when not "steps"; "overrides": TransformerConfig fields; "model": the
     catalog model; "hidden": its width, with "ffn", "moe_ffn", "kv" to slim the rest; "router_lr_mult": the
-    routers' learning rate over the others', 0 holds them at their start)
+    routers' learning rate over the others', 0 holds them at their start; "optimizer": OptimizerConfig fields
+    (adam_beta2, adam_eps, clip_grad); "embedding_lr_mult": the same for the embedding and output layer; "data":
+    "docs" (bytes), "uniform" (independent uniform tokens) or "markov" (the synthetic stream the soak trains on by
+    default, stepdeploy/workload/synthetic.py, over "vocab" tokens))
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ SETTINGS: dict[str, Any] = {
     "steps": 30, "schedule": 0, "lr": 3.0e-4, "warmup": 3, "seq": 64, "mbs": 4, "micro_batches": 2, "hidden": 128,
     "experts": 32, "topk": 8, "layers": 3, "seed": 1, "data": "docs", "fp32_counts": True, "overrides": {},
     "router_lr_mult": 1.0, "model": "step-3.5-flash-slice-1gpu", "ffn": 0, "moe_ffn": 0, "kv": 0,
+    "optimizer": {}, "embedding_lr_mult": 1.0, "vocab": 256, "precision": "bf16",
 }
 CORPUS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -49,7 +53,7 @@ def small_model(s: dict[str, Any]) -> Any:
     dense = data["moe"]["first_dense_layers"]
     data.update(name=f"small-{s['model']}", num_layers=s["layers"] + dense, hidden_size=h, num_attention_heads=4,
                 num_query_groups=2, kv_channels=s["kv"] or h // 4, ffn_hidden_size=s["ffn"] or 2 * h,
-                vocab_size=256, max_position_embeddings=256, swiglu_limits={}, swiglu_limits_shared={},
+                vocab_size=s["vocab"], max_position_embeddings=256, swiglu_limits={}, swiglu_limits_shared={},
                 mtp_num_layers=0)
     if data.get("sliding_num_attention_heads"):
         data.update(sliding_num_attention_heads=4, sliding_window=32)
@@ -98,6 +102,7 @@ def main() -> None:
     from stepdeploy.plan.layout import Layout
     from stepdeploy.render.options import RenderOptions
     from stepdeploy.render.workload import workload_config
+    from stepdeploy.workload.synthetic import markov_table, markov_tokens
 
     spec = small_model(s)
     gbs = s["mbs"] * s["micro_batches"]
@@ -110,20 +115,36 @@ def main() -> None:
     ps.initialize_model_parallel(1, 1)
     kwargs = em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True,
                                                    "moe_token_dispatcher_type": "allgather"} | s["overrides"]
+    fp32 = s["precision"] == "fp32"
+    if fp32:
+        kwargs |= {"bf16": False, "params_dtype": torch.float32, "pipeline_dtype": torch.float32}
+        s["optimizer"] = {"bf16": False} | s["optimizer"]
     config = TransformerConfig(**kwargs)
-    chunks = model_chunks.wrap_chunks(model_chunks.build_chunks(cfg, config, em.build_model), config,
-                                      em.ddp_config_kwargs(cfg) | {"overlap_param_gather": False})
+    ddp_kwargs = em.ddp_config_kwargs(cfg) | {"overlap_param_gather": False}
+    if fp32:  # megatron's DDP round the bare chunk: Float16Module takes bf16 or fp16 only
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        chunks = [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
+                                          module=chunk) for chunk in model_chunks.build_chunks(cfg, config,
+                                                                                               em.build_model)]
+    else:
+        chunks = model_chunks.wrap_chunks(model_chunks.build_chunks(cfg, config, em.build_model), config,
+                                          ddp_kwargs)
     counts_dtype = str(next((m.local_tokens_per_expert.dtype for m in chunks[0].modules()
                              if getattr(m, "local_tokens_per_expert", None) is not None), None))
     converted = em.keep_router_counts_fp32(chunks) if s["fp32_counts"] else 0
     model_chunks.attach_grad_sync(config, chunks, False)
     cfg["parallel"]["optimizer"] = "foreach"
-    if s["router_lr_mult"] != 1.0:
+    if s["router_lr_mult"] != 1.0 or s["embedding_lr_mult"] != 1.0 or s["optimizer"]:
         from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
         from megatron.core.optimizer import get_standard_config_overrides as standard
 
-        opt_config = OptimizerConfig(**model_chunks.optimizer_config_kwargs(cfg))
-        overrides = standard(opt_config) | {ParamKey(name="*router.weight"): {"lr_mult": s["router_lr_mult"]}}
+        opt_config = OptimizerConfig(**model_chunks.optimizer_config_kwargs(cfg) | s["optimizer"])
+        overrides = standard(opt_config)
+        if s["router_lr_mult"] != 1.0:
+            overrides[ParamKey(name="*router.weight")] = {"lr_mult": s["router_lr_mult"]}
+        if s["embedding_lr_mult"] != 1.0:
+            overrides[ParamKey(name=("*embedding*", "*output_layer*"))] = {"lr_mult": s["embedding_lr_mult"]}
         optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=overrides)
         model_chunks.set_adam_implementation(optimizer, "foreach")
     else:
@@ -139,9 +160,10 @@ def main() -> None:
     for index, router in enumerate(routers):
         router.register_forward_pre_hook(lambda _m, args, index=index: inputs.__setitem__(index, args[0].detach()))
     stream, seq, mbs = byte_stream(), s["seq"], s["mbs"]
-    if s["data"] == "uniform":  # the same length of independent uniform bytes: no structure to route on
-        stream = torch.randint(0, 256, stream.shape, generator=torch.Generator().manual_seed(s["seed"]))
+    if s["data"] == "uniform":  # the same length of independent uniform tokens: no structure to route on
+        stream = torch.randint(0, s["vocab"], stream.shape, generator=torch.Generator().manual_seed(s["seed"]))
     gen = torch.Generator().manual_seed(s["seed"])
+    table = markov_table(s["vocab"], s["seed"]) if s["data"] == "markov" else None
     positions = torch.arange(seq).unsqueeze(0).expand(mbs, -1)
     forward_step = model_chunks.lm_forward_step(positions)
     forward_backward = get_forward_backward_func()
@@ -153,8 +175,10 @@ def main() -> None:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         starts = torch.randint(0, stream.numel() - seq - 1, (s["micro_batches"], mbs), generator=gen)
-        feed = iter([(w[:, :-1].contiguous(), w[:, 1:].contiguous())
-                     for w in (torch.stack([stream[i:i + seq + 1] for i in row.tolist()]) for row in starts)])
+        windows = ([markov_tokens(table, s["seed"], iteration, micro, 0, mbs, seq + 1)
+                    for micro in range(s["micro_batches"])] if table is not None else
+                   [torch.stack([stream[i:i + seq + 1] for i in row.tolist()]) for row in starts])
+        feed = iter([(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows])
         losses = forward_backward(forward_step_func=forward_step, data_iterator=feed, model=chunks,
                                   num_microbatches=s["micro_batches"], seq_length=seq, micro_batch_size=mbs,
                                   decoder_seq_length=seq, forward_only=False)
