@@ -88,7 +88,7 @@ echo "exit $? after $((SECONDS - started)) s" >> "$keep/local-first.log"
 tail -n 2 "$keep/local-first.log"
 python3 -m stepdeploy report /tmp/local-first > "$keep/local-first-report.txt" 2>&1
 find /tmp/local-first -name 'first-step-rank*.json' -path '*fetched*' -exec cp --backup=numbered {} "$keep/" \;
-ls "$keep" | grep first-step
+printf '%s\n' "$keep"/first-step*
 fi
 
 if [[ $steps == *" moewarm "* ]]; then

@@ -20,9 +20,19 @@ import pytest
 FORK = multiprocessing.get_context("fork")
 
 
+def _sleep_as_a_writer(seconds: float, ready: Any) -> None:
+    # a forked child inherits the test process's signal dispositions: another test in this process may have left
+    # SIGTERM ignored (train.py's stop handler ignores the later ones); a writer has the default
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ready.set()
+    time.sleep(seconds)
+
+
 def sleeper() -> Any:
-    process = FORK.Process(target=time.sleep, args=(60,), daemon=True)
+    ready = FORK.Event()
+    process = FORK.Process(target=_sleep_as_a_writer, args=(60, ready), daemon=True)
     process.start()
+    assert ready.wait(30), "the sleeper did not start"
     return process
 
 
