@@ -96,11 +96,7 @@ class RenderOptions:
         unknown = [name for name in self.seed_options if name not in SEED_OPTIONS]
         if unknown:
             raise BadInput(f"unknown seed option {', '.join(unknown)}; known: {', '.join(SEED_OPTIONS)}")
-        bad_keys = [key for key, _ in self.extra_env if not ENV_KEY.fullmatch(key)]
-        if bad_keys:
-            raise BadInput(f"--env {bad_keys[0]!r} is not an environment variable name; use KEY=VALUE "
-                           "with KEY made of letters, digits and '_'")
-        check_no_secrets(self.extra_env)
+        check_env(self.extra_env)
         if self.keep_checkpoints < 1:
             raise BadInput(f"--keep-checkpoints {self.keep_checkpoints}: at least 1 (the checkpoint a restart "
                            "resumes from)")
@@ -132,7 +128,7 @@ def parse_env(pairs: list[str]) -> tuple[tuple[str, str], ...]:
         if not sep:
             raise BadInput(f"--env {pair!r}: use KEY=VALUE")
         result.append((key, value))
-    check_no_secrets(tuple(result))
+    check_env(tuple(result))
     return tuple(result)
 
 
@@ -140,7 +136,13 @@ def parse_env(pairs: list[str]) -> tuple[tuple[str, str], ...]:
 SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
 
 
-def check_no_secrets(pairs: tuple[tuple[str, str], ...]) -> None:
+def check_env(pairs: tuple[tuple[str, str], ...]) -> None:
+    """--env pairs: variable names, and none that says it holds a secret (render's and a rollout's, before their
+    run directory or ledger exists)."""
+    bad_keys = [key for key, _ in pairs if not ENV_KEY.fullmatch(key)]
+    if bad_keys:
+        raise BadInput(f"--env {bad_keys[0]!r} is not an environment variable name; use KEY=VALUE "
+                       "with KEY made of letters, digits and '_'")
     secret = next((key for key, _ in pairs if SECRET_NAME.search(key)), None)
     if secret is not None:
         raise BadInput(f"--env {secret}: its name says it holds a secret, and --env values are written into the "

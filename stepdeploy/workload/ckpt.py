@@ -120,11 +120,20 @@ def seal(staging: Path, iteration: int) -> None:
     _fsync_dir(staging)
 
 
+def _remove(path: Path) -> None:
+    """Delete a directory (or file), its completion marker first: a deletion cut short is never complete."""
+    if path.is_dir():
+        (path / COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def commit(ckpt_dir: Path, iteration: int, staging: Path | None = None, keep: int | None = None,
            remove: Callable[[Path], None] | None = None) -> Path:
     """Put the sealed checkpoint in `staging` in place as iter_N and point `latest` at it; then drop the copy it
     replaced and, with `keep`, all but the newest `keep` complete checkpoints up to N. `remove` deletes what is
-    dropped, once out of sight (default: at once; a Remover: in its thread)."""
+    dropped, once out of sight (None: at once; a Remover: in its thread)."""
     remove = remove or _remove
     staging = staging or staging_path(ckpt_dir, iteration)
     if not is_complete(staging, iteration):
@@ -145,7 +154,7 @@ def commit(ckpt_dir: Path, iteration: int, staging: Path | None = None, keep: in
     return final
 
 
-def prune(ckpt_dir: Path, keep: int, committed: int, remove: Callable[[Path], None] | None = None) -> list[int]:
+def prune(ckpt_dir: Path, keep: int, committed: int, remove: Callable[[Path], None] = _remove) -> list[int]:
     """Retention after committing `committed`: the newest `keep` complete checkpoints up to it stay; older ones
     and any newer one (left from before the run went back to an older checkpoint) go. Returns those removed."""
     if keep < 1:
@@ -154,7 +163,7 @@ def prune(ckpt_dir: Path, keep: int, committed: int, remove: Callable[[Path], No
     kept = [i for i in complete if i <= committed][-keep:]
     doomed = [i for i in complete if i not in kept]
     for iteration in doomed:
-        _discard(ckpt_dir / iteration_name(iteration), remove or _remove)
+        _discard(ckpt_dir / iteration_name(iteration), remove)
     return doomed
 
 
@@ -231,21 +240,12 @@ def _entries(ckpt_dir: Path) -> list[Path]:
         return []
 
 
-def _discard(path: Path, remove: Callable[[Path], None] | None = None) -> None:
+def _discard(path: Path, remove: Callable[[Path], None] = _remove) -> None:
     """Take a checkpoint directory out of sight in one rename, then delete it (a kill midway leaves a `.del-`
     directory that repair removes, never a half-deleted iter_N)."""
     doomed = path.with_name(f".{path.name}.del-{uuid.uuid4().hex[:8]}")
     os.replace(path, doomed)
-    (remove or _remove)(doomed)
-
-
-def _remove(path: Path) -> None:
-    """Delete a directory (or file), its completion marker first: a deletion cut short is never complete."""
-    if path.is_dir():
-        (path / COMPLETE).unlink(missing_ok=True)
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    remove(doomed)
 
 
 REMOVER_EXIT_WAIT_S = 10.0  # a stop waits this long at most for the deletions in hand
@@ -257,10 +257,10 @@ class Remover:
     checkpoint took 0.6-1.2 s of every commit on the H200's tmpfs (docs/benchmarks.md). A process that ends
     midway leaves a renamed directory, which repair() removes at the next start; drain() waits for the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, remove: Callable[[Path], None] = _remove) -> None:
         self._paths: queue.Queue[Path] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._remove_one = _remove
+        self._remove_one = remove
 
     def __call__(self, path: Path) -> None:
         if self._thread is None:

@@ -142,11 +142,11 @@ class StepProfile:
 
     def after(self, iteration: int, step_s: float) -> bool:
         """Account the iteration just timed; True when it was profiled."""
-        first = self.first is not None and iteration == self.first.iteration
-        if first:
-            self.first.stop(step_s)  # type: ignore[union-attr]
+        first = self.first if self.first is not None and iteration == self.first.iteration else None
+        if first is not None:
+            first.stop(step_s)
         if self.profiler is None:
-            return first
+            return first is not None
         self.wall += step_s
         if iteration == self.window[1]:
             self.profiler.stop()

@@ -202,8 +202,7 @@ def test_a_remover_deletes_after_commit_returns_and_drain_waits_for_it(tmp_path:
         gate.wait(10)
         ckpt._remove(path)
 
-    remover = ckpt.Remover()
-    remover._remove_one = slow_remove  # type: ignore[attr-defined]
+    remover = ckpt.Remover(slow_remove)
     for i in (10, 20):
         save(tmp_path, i, str(i))
     staging = ckpt.staging_dir(tmp_path, 30)
