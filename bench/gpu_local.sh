@@ -20,6 +20,21 @@ mkdir -p "$keep"
 inv=/tmp/box.ini
 gpu_box_inventory "$inv"
 
+local_rollout() {  # NAME LIMIT ARGS...: `rollout run --executor local --run-dir /tmp/NAME ARGS` within LIMIT seconds;
+                   # its log, exit, report and the processes it left in $keep/NAME*
+    local name=$1 limit=$2 started=$SECONDS rc=0 left
+    shift 2
+    # a second call on a warm box: the last call's runs (the node refuses a run directory holding another rendering)
+    rm -rf "/tmp/$name" /var/lib/stepdeploy/runs/"$name"-*
+    timeout "$limit" python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir "/tmp/$name" "$@" \
+        > "$keep/$name.log" 2>&1 || rc=$?
+    echo "exit $rc after $((SECONDS - started)) s" >> "$keep/$name.log"
+    tail -n 2 "$keep/$name.log"
+    python3 -m stepdeploy report "/tmp/$name" > "$keep/$name-report.txt" 2>&1
+    left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
+    echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/$name.log"
+}
+
 steps=" ${STEPS:-preflight rollout} "
 if [[ $steps == *" preflight "* ]]; then
 timeout 150 python3 -m stepdeploy preflight "$inv" --json > "$keep/preflight.json" 2> "$keep/preflight.log"
@@ -27,17 +42,8 @@ echo "preflight exit $?"
 fi
 
 if [[ $steps == *" rollout "* ]]; then
-# a second call on a warm box: the last call's runs (the node refuses a run directory holding another rendering)
-rm -rf /tmp/local-dense /var/lib/stepdeploy/runs/local-dense-*
-started=$SECONDS
-timeout 300 python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir /tmp/local-dense \
-    -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 100s --checkpoint-interval 40 \
-    --inject kill:rank=last@65s > "$keep/local-dense.log" 2>&1
-echo "exit $? after $((SECONDS - started)) s" >> "$keep/local-dense.log"
-tail -n 2 "$keep/local-dense.log"
-python3 -m stepdeploy report /tmp/local-dense > "$keep/local-dense-report.txt" 2>&1
-left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
-echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-dense.log"
+local_rollout local-dense 300 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 100s \
+    --checkpoint-interval 40 --inject kill:rank=last@65s
 fi
 
 if [[ $steps == *" moe "* ]]; then
@@ -45,48 +51,27 @@ if [[ $steps == *" moe "* ]]; then
 # 30 of the soak (the MoE save's stall, issue 21) and a kill after it. A checkpoint is ~48 GB: the box's /dev/shm
 # (half its 128 GiB) holds one, so one is kept and the soak ends before the restarted run's next save
 python3 -m stepdeploy data prepare README.md docs --out /tmp/corpus --json > "$keep/data.json" 2> "$keep/data.log"
-rm -rf /tmp/local-moe /var/lib/stepdeploy/runs/local-moe-*
+rm -rf /tmp/local-moe /var/lib/stepdeploy/runs/local-moe-*  # before df: the room without the last call's runs
 df -h /dev/shm | tee "$keep/shm.txt"
-started=$SECONDS
-timeout "${MOE_TIMEOUT:-450}" python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir /tmp/local-moe \
-    -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak --warmup-iterations 6 --scale-iterations 10 \
-    --soak-duration "${MOE_SOAK:-150s}" --checkpoint-interval 30 --keep-checkpoints 1 --inject kill:rank=last@90s \
-    --data /tmp/corpus > "$keep/local-moe.log" 2>&1
-echo "exit $? after $((SECONDS - started)) s" >> "$keep/local-moe.log"
-tail -n 2 "$keep/local-moe.log"
-python3 -m stepdeploy report /tmp/local-moe > "$keep/local-moe-report.txt" 2>&1
-left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
-echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-moe.log"
+local_rollout local-moe "${MOE_TIMEOUT:-450}" -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak \
+    --warmup-iterations 6 --scale-iterations 10 --soak-duration "${MOE_SOAK:-150s}" --checkpoint-interval 30 \
+    --keep-checkpoints 1 --inject kill:rank=last@90s --data /tmp/corpus
 fi
 
 if [[ $steps == *" moeproxy "* ]]; then
 # the MoE proxy's own rollout (issue 20: it passes on one GPU) on the default data, the seeded synthetic stream:
 # warm-up, then a soak whose gates judge the expert load after the warm-up; no checkpoint (~50 GB each)
-rm -rf /tmp/local-moeproxy /var/lib/stepdeploy/runs/local-moeproxy-*
-started=$SECONDS
-timeout "${MOEPROXY_TIMEOUT:-240}" python3 -m stepdeploy rollout run -i "$inv" --executor local \
-    --run-dir /tmp/local-moeproxy -m proxy-0.7b-moe --stages warmup,soak --warmup-iterations 6 \
-    --soak-duration "${MOEPROXY_SOAK:-60s}" --checkpoint-interval 100000 > "$keep/local-moeproxy.log" 2>&1
-echo "exit $? after $((SECONDS - started)) s" >> "$keep/local-moeproxy.log"
-tail -n 2 "$keep/local-moeproxy.log"
-python3 -m stepdeploy report /tmp/local-moeproxy > "$keep/local-moeproxy-report.txt" 2>&1
+local_rollout local-moeproxy "${MOEPROXY_TIMEOUT:-240}" -m proxy-0.7b-moe --stages warmup,soak \
+    --warmup-iterations 6 --soak-duration "${MOEPROXY_SOAK:-60s}" --checkpoint-interval 100000
 grep -i "expert_load\|moe_load" "$keep/local-moeproxy-report.txt" | head -5
-left=$(grep -l STEPDEPLOY_RUN_ID /proc/[0-9]*/environ 2>/dev/null | wc -l)
-echo "processes with STEPDEPLOY_RUN_ID after the rollout: $left" | tee -a "$keep/local-moeproxy.log"
 fi
 
 if [[ $steps == *" firststep "* ]]; then
 # what a start's first step costs, and why (issue 20): the dense proxy's rollout with a kill, every start's first
 # step under cProfile (--env STEPDEPLOY_PROFILE_FIRST=1): the warm-up's (a cold compile cache), the soak's first
 # start and its restart (warm); first-step-rank0-<iteration>.json of each
-rm -rf /tmp/local-first /var/lib/stepdeploy/runs/local-first-*
-started=$SECONDS
-timeout "${FIRST_TIMEOUT:-200}" python3 -m stepdeploy rollout run -i "$inv" --executor local --run-dir /tmp/local-first \
-    -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 70s --checkpoint-interval 20 \
-    --inject kill:rank=last@45s --env STEPDEPLOY_PROFILE_FIRST=1 > "$keep/local-first.log" 2>&1
-echo "exit $? after $((SECONDS - started)) s" >> "$keep/local-first.log"
-tail -n 2 "$keep/local-first.log"
-python3 -m stepdeploy report /tmp/local-first > "$keep/local-first-report.txt" 2>&1
+local_rollout local-first "${FIRST_TIMEOUT:-200}" -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \
+    --soak-duration 70s --checkpoint-interval 20 --inject kill:rank=last@45s --env STEPDEPLOY_PROFILE_FIRST=1
 find /tmp/local-first -name 'first-step-rank*.json' -path '*fetched*' -exec cp --backup=numbered {} "$keep/" \;
 printf '%s\n' "$keep"/first-step*
 fi
