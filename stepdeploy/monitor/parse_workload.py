@@ -18,10 +18,10 @@ from stepdeploy.monitor.model import Heartbeat, MetricsRow, RankFile
 # reads back.
 METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
                 "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu",
-                "moe_load_max", "moe_dropped", "router_bias_absmax")
+                "moe_load_max", "moe_dropped", "router_bias_absmax", "moe_aux_loss_mean")
 # per-layer metrics of MoE models ({layer: value} in a metrics line): ledger rows named "<name>/<layer>"; the MTP
 # losses ([one per MTP layer]): "mtp_loss/<k>" (k from 1)
-LAYER_METRICS = ("moe_load", "router_bias")
+LAYER_METRICS = ("moe_load", "router_bias", "moe_aux_loss")
 MTP_LOSS = "mtp_loss"
 
 _RANK = re.compile(r"rank(\d+)")

@@ -225,7 +225,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
               f"{micro_batches} micro-batch(es) of {mbs}x{seq}, layout {p}")
     m = cfg["model"]
     stats = moe_stats.RouterStats(m["num_layers"] + (m.get("mtp_num_layers") or 0), m["moe"]["num_experts"],
-                                  m["moe"]["topk"], "cuda") if m["moe"] else None
+                                  m["moe"]["topk"], "cuda", micro_batches) if m["moe"] else None
     if stats is not None:
         stats.watch_megatron(model)
     mtp_layers = m.get("mtp_num_layers") or 0

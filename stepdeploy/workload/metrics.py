@@ -36,9 +36,10 @@ from ckpt import atomic_write_json
 METRIC_KEYS = ("iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_step_time_s",
                "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "mfu", "time")
 # written when given: the megatron engine's phase split; MoE models' expert load (moe_stats.py), router bias
-# (expert-bias balancing) and MTP losses (one per MTP layer)
+# (expert-bias balancing), megatron's load-balancing loss per layer and MTP losses (one per MTP layer)
 OPTIONAL_KEYS = ("forward_backward_s", "optimizer_s", "profiled", "moe_load", "moe_load_max", "moe_dropped",
-                 "moe_load_ceiling", "router_bias", "router_bias_absmax", "router_bias_busiest", "mtp_loss")
+                 "moe_load_ceiling", "router_bias", "router_bias_absmax", "router_bias_busiest", "mtp_loss",
+                 "moe_aux_loss", "moe_aux_loss_mean")
 SAVE_BEAT_S = 5.0
 SAVE_BEAT_LIMIT_S = 420.0  # nvidia-resiliency-ext's Megatron example: checkpoint section timeout
 

@@ -17,6 +17,10 @@ Layers are named by their global 1-based number; MTP layers come after the decod
                          the update pushes against it (bias += rate x sign(mean load - load)).
     dropped    the fraction of (token, expert) assignments the router did not deliver (a capacity factor
                drops them); 0 for the dropless dispatchers stepdeploy renders.
+    aux_loss   megatron-core's load-balancing loss of each layer before its coefficient (what megatron logs as
+               load_balancing_loss: about 1 when balanced, up to E/k collapsed), averaged over the step's
+               micro-batches, read from megatron's tracker (`moe_aux_loss`, and `moe_aux_loss_mean` over the
+               layers); the tracker is cleared each step (megatron's training loop does so when it logs).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import torch.distributed as dist
 
 
 class RouterStats:
-    def __init__(self, slots: int, experts: int, topk: int, device: str) -> None:
-        self.experts, self.topk, self.device = experts, topk, device
+    def __init__(self, slots: int, experts: int, topk: int, device: str, micro_batches: int = 1) -> None:
+        self.experts, self.topk, self.device, self.micro_batches = experts, topk, device, max(micro_batches, 1)
         self.counts = torch.zeros(slots, experts, device=device)
         self.assigned = torch.zeros(slots, device=device)  # tokens x topk the routers were asked to route
         self.present = torch.zeros(slots, device=device)  # 1 where this rank holds the layer's router
@@ -68,19 +72,30 @@ class RouterStats:
         for slot, router in self.bias_of.items():
             if router is not None and router.expert_bias is not None:
                 bias[slot] = router.expert_bias.detach().float()
-        summed = torch.cat([self.counts.flatten(), self.assigned, self.present, bias.flatten()])
+        aux, has_aux = aux_losses(slots, self.device)
+        flag = torch.full((1,), float(has_aux), device=self.device)  # ranks whose tracker held a loss
+        summed = torch.cat([self.counts.flatten(), self.assigned, self.present, aux, flag, bias.flatten()])
         if dist.is_initialized():
             dist.all_reduce(summed)
         cut = slots * self.experts
         counts = summed[:cut].view(slots, self.experts)
         assigned, present = summed[cut:cut + slots], summed[cut + slots:cut + 2 * slots]
-        bias = summed[cut + 2 * slots:].view(slots, self.experts) / present.clamp_min(1.0).unsqueeze(1)
+        holders = present.clamp_min(1.0)
+        aux = summed[cut + 2 * slots:cut + 3 * slots] / holders / self.micro_batches
+        has_aux = bool(summed[cut + 3 * slots] > 0)
+        bias = summed[cut + 3 * slots + 1:].view(slots, self.experts) / holders.unsqueeze(1)
         self.counts.zero_()
         self.assigned.zero_()
         busiest = bias.gather(1, counts.argmax(dim=1, keepdim=True)).squeeze(1)
-        return summarise(counts.cpu(), assigned.cpu(), present.cpu(), bias.abs().amax(dim=1).cpu(), bool(self.bias_of)
-                         and any(r is not None for r in self.bias_of.values()), ceiling=self.experts / self.topk,
-                         busiest_bias=busiest.cpu())
+        out = summarise(counts.cpu(), assigned.cpu(), present.cpu(), bias.abs().amax(dim=1).cpu(), bool(self.bias_of)
+                        and any(r is not None for r in self.bias_of.values()), ceiling=self.experts / self.topk,
+                        busiest_bias=busiest.cpu())
+        if has_aux:
+            aux, held = aux.cpu(), present.cpu()
+            per_layer = {str(s + 1): round(float(aux[s]), 5) for s in range(slots) if held[s] > 0}
+            out |= {"moe_aux_loss": per_layer,
+                    "moe_aux_loss_mean": round(sum(per_layer.values()) / len(per_layer), 5) if per_layer else None}
+        return out
 
 
 def summarise(counts: torch.Tensor, assigned: torch.Tensor, present: torch.Tensor, bias: torch.Tensor,
@@ -103,6 +118,25 @@ def summarise(counts: torch.Tensor, assigned: torch.Tensor, present: torch.Tenso
             out["router_bias_busiest"] = {str(s + 1): round(float(busiest_bias[s]), 6) for s in range(bias.shape[0])
                                           if present[s] > 0}
     return out
+
+
+def aux_losses(slots: int, device: str) -> tuple[torch.Tensor, bool]:
+    """This rank's load-balancing losses of the step per layer slot (megatron-core's tracker: the sum over its
+    micro-batches of each router's loss before the coefficient; zeros for layers it does not hold), whether the
+    tracker had any, and the tracker cleared for the next step. Zeros without megatron-core (the torch engine)."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    except ImportError:
+        return torch.zeros(slots, device=device), False
+    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    out = torch.zeros(slots, device=device)
+    if entry is None or "values" not in entry:
+        return out, False
+    values = entry["values"].detach().float()
+    n = min(slots, values.numel())
+    out[:n] = values[:n].to(device)
+    entry["values"].zero_()
+    return out, True
 
 
 def mtp_losses(layers: int, micro_batches: int, device: str) -> torch.Tensor:

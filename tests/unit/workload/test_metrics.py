@@ -40,6 +40,34 @@ def test_router_stats_summarise_load_dropped_and_bias_per_layer() -> None:
     assert stats.reduce()["moe_load"] == {"2": 1.5} and stats.counts.sum() == 0
 
 
+def test_router_stats_read_megatrons_load_balancing_loss_per_layer_averaged_over_micro_batches() -> None:
+    """What megatron-core's routers put in its tracker (its own save function, as TopKRouter calls it once per
+    micro-batch) comes out per MoE layer, divided by the micro-batches; the tracker is cleared for the next step;
+    a model whose routers add no auxiliary loss (the expert bias alone) records none."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        save_to_aux_losses_tracker,
+    )
+    from moe_stats import RouterStats
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker.pop("load_balancing_loss", None)
+    stats = RouterStats(slots=3, experts=4, topk=2, device="cpu", micro_batches=2)
+    stats.present[1] = stats.present[2] = 1.0  # layer 1 is dense
+    assert "moe_aux_loss" not in stats.reduce()  # no router added a loss
+    for micro in (1.0, 1.5):  # two micro-batches through layers 2 and 3
+        save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(micro), 2, 3)
+        save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(2 * micro), 3, 3)
+    out = stats.reduce()
+    assert out["moe_aux_loss"] == {"2": 1.25, "3": 2.5} and out["moe_aux_loss_mean"] == 1.875
+    assert float(tracker["load_balancing_loss"]["values"].abs().sum()) == 0.0  # cleared for the next step
+    assert stats.reduce()["moe_aux_loss"] == {"2": 0.0, "3": 0.0}  # a step whose routers added nothing
+    clear_aux_losses_tracker()
+    tracker.pop("load_balancing_loss", None)
+
+
 def test_the_heartbeat_says_saving_while_a_save_blocks_and_stops_beating_past_the_limit(tmp_path: Path,
                                                                                        monkeypatch) -> None:
     import time
