@@ -4,10 +4,11 @@
 # proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after; with STEPS naming moe, the
 # Step-3.5-Flash slice's rollout (warmup, scale, soak with checkpoints and a kill) on prepared data; with moeproxy,
 # the MoE proxy's rollout (warmup, soak) on the synthetic stream; with firststep, the dense rollout with every
-# start's first step profiled; with moewarm, the MoE proxy's routers under a warm-up from near zero. Results in
+# start's first step profiled; with moewarm, the MoE proxy's routers under a warm-up from near zero; with moevariants,
+# the MoE proxy under megatron-core options (MOE_VARIANTS). Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout moe moeproxy firststep moewarm"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout moe moeproxy firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -76,31 +77,48 @@ find /tmp/local-first -name 'first-step-rank*.json' -path '*fetched*' -exec cp -
 printf '%s\n' "$keep"/first-step*
 fi
 
-if [[ $steps == *" moewarm "* ]]; then
-# the MoE proxy's routers against the learning-rate warm-up (issue 20: one step at the peak collapses them): a run of
-# MOEWARM_ITERS iterations whose lr ramps from peak/W over W = MOEWARM_WARMUP iterations (render + run launch, no
-# checkpoint); its metrics (moe_load per layer and step) in $keep/moewarm-metrics.jsonl
-run=/tmp/local-moewarm
-rm -rf "$run"
-started=$SECONDS
-python3 -m stepdeploy render -i "$inv" -m proxy-0.7b-moe --stage warmup --iterations "${MOEWARM_ITERS:-75}" \
-    --warmup-iterations "${MOEWARM_WARMUP:-50}" --save-interval 0 --run-id "moewarm-$(date -u +%H%M%S)" \
-    --out "$run" > "$keep/moewarm-render.log" 2>&1 || echo "render failed: $(tail -n 3 "$keep/moewarm-render.log")"
-timeout "${MOEWARM_TIMEOUT:-170}" python3 -m stepdeploy run launch "$run" --executor local --follow \
-    > "$keep/moewarm.log" 2>&1
-echo "exit $? after $((SECONDS - started)) s" >> "$keep/moewarm.log"
-tail -n 2 "$keep/moewarm.log"
-python3 -m stepdeploy run fetch "$run" --executor local > /dev/null 2>&1
-find "$run" -name metrics.jsonl -path '*fetched*' -exec cp {} "$keep/moewarm-metrics.jsonl" \;
-python3 - "$keep/moewarm-metrics.jsonl" <<'PY' || true
+moe_run() {  # NAME ITERS WARMUP [render options...]: the MoE proxy rendered for ITERS iterations whose lr ramps from
+             # peak/W over W = WARMUP iterations (render + run launch, no checkpoint); its metrics (moe_load per
+             # layer, megatron's aux loss, grad norm) in $keep/NAME-metrics.jsonl and a line per step on stdout
+    local name=$1 iters=$2 warmup=$3 run=/tmp/local-$1 started=$SECONDS
+    shift 3
+    rm -rf "$run"
+    python3 -m stepdeploy render -i "$inv" -m proxy-0.7b-moe --stage warmup --iterations "$iters" \
+        --warmup-iterations "$warmup" --save-interval 0 --run-id "$name-$(date -u +%H%M%S)" "$@" \
+        --out "$run" > "$keep/$name-render.log" 2>&1 || echo "render failed: $(tail -n 3 "$keep/$name-render.log")"
+    timeout "${MOE_RUN_TIMEOUT:-170}" python3 -m stepdeploy run launch "$run" --executor local --follow \
+        > "$keep/$name.log" 2>&1
+    echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$keep/$name.log"
+    python3 -m stepdeploy run fetch "$run" --executor local > /dev/null 2>&1
+    find "$run" -name metrics.jsonl -path '*fetched*' -exec cp {} "$keep/$name-metrics.jsonl" \;
+    python3 - "$keep/$name-metrics.jsonl" <<'PY' || true
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if "moe_load_max" in line]
 for r in rows:
-    print(r["iteration"], f'lr {r["lr"]:.3g}', f'loss {r["loss"]:.3f}', "max", r["moe_load_max"],
-          " ".join(f"{v:.2f}" for v in r["moe_load"].values()))
+    if r["iteration"] <= 5 or r["iteration"] % 5 == 0:
+        aux = r.get("moe_aux_loss_mean")
+        print(r["iteration"], f'lr {r["lr"]:.3g} loss {r["loss"]:.3f} gn {r["grad_norm"]:.3g}',
+              "aux", "-" if aux is None else f"{aux:.3f}", "max", r["moe_load_max"],
+              " ".join(f"{v:.2f}" for v in r["moe_load"].values()))
 PY
+}
+
+if [[ $steps == *" moewarm "* ]]; then
+# the MoE proxy's routers against the learning-rate warm-up (issue 20: one step at the peak collapses them)
+moe_run moewarm "${MOEWARM_ITERS:-75}" "${MOEWARM_WARMUP:-50}"
+fi
+
+if [[ $steps == *" moevariants "* ]]; then
+# the MoE proxy's unigram plateau and routers (issue 20) under megatron-core options set through the product
+# (render --env STEPDEPLOY_MCORE_OVERRIDES): MOE_VARIANTS is "NAME=JSON NAME=JSON ..." (JSON without spaces; "{}":
+# the catalog's configuration), each run MOE_VARIANT_ITERS iterations with a warm-up of MOE_VARIANT_WARMUP
+for variant in ${MOE_VARIANTS:-catalog={\}}; do
+    moe_run "moe-${variant%%=*}" "${MOE_VARIANT_ITERS:-40}" "${MOE_VARIANT_WARMUP:-2}" \
+        --env "STEPDEPLOY_MCORE_OVERRIDES=${variant#*=}"
+done
 fi
 
 runs=()
 for run in local-dense local-moe local-moeproxy local-first local-moewarm; do [ -d "/tmp/$run" ] && runs+=("$run"); done
+for dir in /tmp/local-moe-*; do [ -d "$dir" ] && runs+=("${dir#/tmp/}"); done
 tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out "${runs[@]}"
