@@ -7,6 +7,8 @@
 #   OUT=$OUT bash bench/gpu_soak20.sh start .whl     # first call: set the box up, start the rollout, return
 #   OUT=$OUT bash bench/gpu_soak20.sh wait .whl      # next calls, back to back: wait up to 9 min (WAIT_S); when the rollout
 #                                                    # ended, its report and files in $OUT/soak20.tgz
+# The device gives a machine back after about 30 s idle (status: idle_release_s), and the rollout goes with it: each
+# `wait` must follow the last call at once. A `wait` on a fresh machine fails at once (exit 3) instead of waiting.
 set -uo pipefail
 mode=${1:?start or wait}
 wheels=${2:?the wheels directory}
@@ -32,6 +34,12 @@ case $mode in
         sleep 5
         echo "started: $(head -c 300 "$keep/soak20.log")" ;;
     wait)
+        if [ ! -e "$keep/soak20.log" ]; then
+            # a fresh machine: the one that ran `start` was given back (idle past the device's release time between
+            # calls) and the rollout with it; waiting would only spend device time
+            echo "error: no soak was started on this machine ($keep/soak20.log missing): start it again" >&2
+            exit 3
+        fi
         export PYTHONPATH=/tmp/site:$PWD
         for _ in $(seq 1 $(( ${WAIT_S:-540} / 5 ))); do [ -e "$keep/done" ] && break; sleep 5; done
         tail -n 3 "$keep/soak20.log"
