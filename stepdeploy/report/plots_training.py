@@ -1,5 +1,6 @@
 """Plots of the per-step training metrics the workload records when it has them (learning rate, gradient norm,
-MoE expert load, router bias, MTP losses) and of the soak's goodput. Conventions and helpers: plots.py."""
+MoE expert load, megatron's load-balancing loss, router bias, MTP losses) and of the soak's goodput. Conventions
+and helpers: plots.py."""
 
 from __future__ import annotations
 
@@ -69,6 +70,15 @@ def _moe_load(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
     return drawn
 
 
+def _aux_loss(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
+    """megatron's load-balancing loss before its coefficient: every MoE layer thin and grey, the mean by rung."""
+    layers = _per_name(data, "moe_aux_loss")
+    if len(layers) <= MAX_LAYER_LINES:
+        for i, rows in enumerate(layers.values()):
+            _lines(ax, axis, rows, "each MoE layer" if i == 0 else None, color="#bbbbbb", linewidth=0.7)
+    return by_segment(data, ax, axis, "moe_aux_loss_mean", "load-balancing loss (mean over layers)")
+
+
 def _mtp_loss(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
     depths = _per_name(data, MTP_LOSS)
     if not depths:
@@ -115,6 +125,8 @@ TRAINING_PLOTS: list[tuple[str, str, str, Drawer]] = [
     ("grad_norm", "Gradient norm", "the global gradient norm before clipping, coloured by stage/rung", _grad_norm),
     ("moe_load", "Expert load", "tokens of the most loaded expert over the mean, per step (1 = balanced): the worst "
      "MoE layer by stage/rung, every layer in grey", _moe_load),
+    ("moe_aux_loss", "Load-balancing loss", "megatron's auxiliary load-balancing loss of each MoE layer before its "
+     "coefficient (about 1 when balanced): the mean over the layers by stage/rung, every layer in grey", _aux_loss),
     ("router_bias", "Router bias", "the largest absolute expert bias of the sigmoid router (expert-bias balancing)",
      _router_bias),
     ("mtp_loss", "MTP losses", "the multi-token-prediction loss of every MTP depth", _mtp_loss),

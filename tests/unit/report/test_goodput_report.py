@@ -22,7 +22,8 @@ from stepdeploy.rollout.goodput import breakdown
 from .conftest import T0, Clock
 from .test_report_cli import _app
 
-TRAINING_PLOTS = ["loss", "tokens", "lr", "grad_norm", "moe_load", "router_bias", "mtp_loss", "timeline", "goodput"]
+TRAINING_PLOTS = ["loss", "tokens", "lr", "grad_norm", "moe_load", "moe_aux_loss", "router_bias", "mtp_loss",
+                  "timeline", "goodput"]
 
 
 def _goodput_data() -> dict:
@@ -54,6 +55,7 @@ def build_moe_soak(run_dir: Path) -> Path:
                  (ts, 0, it, "step_time_s", 2.0), (ts, 0, it, "lr", 1e-3 * min(it, 5) / 5),
                  (ts, 0, it, "grad_norm", 1.0 + 0.02 * it), (ts, 0, it, "moe_load_max", 1.6 - 0.01 * it),
                  (ts, 0, it, "moe_load/0", 1.2), (ts, 0, it, "moe_load/1", 1.6 - 0.01 * it),
+                 (ts, 0, it, "moe_aux_loss_mean", 1.3 - 0.01 * it), (ts, 0, it, "moe_aux_loss/1", 1.3 - 0.01 * it),
                  (ts, 0, it, "router_bias_absmax", 0.002 * it), (ts, 0, it, "mtp_loss/1", 6.2 - 0.05 * it),
                  (ts, 0, it, "mtp_loss/2", 6.4 - 0.04 * it)]
     led.add_metrics("r1", attempt, rows)
