@@ -213,14 +213,15 @@ class NodeExecutor:
                           deadline_s=grace_s + CALL_TIMEOUT_S + 30)
 
     def fetch(self, dest: Path) -> list[NodeResult]:
-        """metrics, status, heartbeats, logs and exit codes (not checkpoints) into dest/<node dir>/."""
+        """metrics, phases, status, heartbeats, the diagnostics' JSON files (out/*.json: traces.py's profiles and
+        memory trace), logs and exit codes (not checkpoints) into dest/<node dir>/."""
 
         def one(target: Target) -> NodeResult:
             # the archive goes into a fresh private directory (mktemp -d, 0700), never a guessable /tmp name
             archive = '"$d/fetch.tar.gz"'
             res = self._sh(target, f"cd -- {q(self.run_dir)} && d=$(umask 077 && mktemp -d) && "
                                    f"tar -czf {archive} --ignore-failed-read out/metrics.jsonl out/phases.jsonl "
-                                   f"out/status out/heartbeat logs {q(target.node_dir)} 2>/dev/null; "
+                                   f"out/status out/heartbeat out/*.json logs {q(target.node_dir)} 2>/dev/null; "
                                    f"if test -s {archive}; then echo \"$d\"; else rm -rf -- \"$d\"; exit 1; fi")
             workdir = res.stdout.strip()
             if not res.ok or not workdir.startswith("/"):

@@ -74,7 +74,10 @@ def test_train_loss_falls_logs_stream_fetch_and_stop(tmp_path: Path) -> None:
         assert {r.rank for r in status.ranks} == {0, 1}
         assert any(line.startswith("box | [rank 0] iter 24/24") for line in lines), lines[-20:]
         assert any(line.startswith("box | [rank 1] exit 0") for line in lines), lines[-20:]
+        # a diagnostics file (traces.py writes out/first-step-rank<R>-<it>.json, profile-rank<R>.json) comes back
+        assert all(r.ok for r in executor.run_command("echo '{\"step_s\": 1.5}' > out/first-step-rank0-1.json"))
         assert all(r.ok for r in executor.fetch(tmp_path / "fetched"))
+        assert json.loads((tmp_path / "fetched/nodes/0-box/out/first-step-rank0-1.json").read_text()) == {"step_s": 1.5}
         metrics = [json.loads(line) for line in (tmp_path / "fetched/nodes/0-box/out/metrics.jsonl").open()]
         losses = [m["loss"] for m in metrics]
         assert len(losses) == 24 and len(metrics[0]["rank_step_time_s"]) == 2
