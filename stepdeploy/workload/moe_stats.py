@@ -25,6 +25,7 @@ Layers are named by their global 1-based number; MTP layers come after the decod
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -123,13 +124,13 @@ def summarise(counts: torch.Tensor, assigned: torch.Tensor, present: torch.Tenso
 def aux_losses(slots: int, device: str) -> tuple[torch.Tensor, bool]:
     """This rank's load-balancing losses of the step per layer slot (megatron-core's tracker: the sum over its
     micro-batches of each router's loss before the coefficient; zeros for layers it does not hold), whether the
-    tracker had any, and the tracker cleared for the next step. Zeros without megatron-core (the torch engine)."""
-    try:
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-    except ImportError:
-        return torch.zeros(slots, device=device), False
-    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    tracker had any, and the tracker cleared for the next step. Zeros where megatron-core's MoE code is not loaded
+    (the torch engine: nothing is imported for it)."""
     out = torch.zeros(slots, device=device)
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is None:
+        return out, False
+    entry = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     if entry is None or "values" not in entry:
         return out, False
     values = entry["values"].detach().float()
