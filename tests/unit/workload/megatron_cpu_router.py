@@ -12,7 +12,15 @@ expert, the busiest expert's bias and its lead (margin), and how much of each ro
     routers' learning rate over the others', 0 holds them at their start; "optimizer": OptimizerConfig fields
     (adam_beta2, adam_eps, clip_grad); "embedding_lr_mult": the same for the embedding and output layer; "data":
     "docs" (bytes), "uniform" (independent uniform tokens) or "markov" (the synthetic stream the soak trains on by
-    default, stepdeploy/workload/synthetic.py, over "vocab" tokens))
+    default, stepdeploy/workload/synthetic.py, over "vocab" tokens); "precision": "bf16" or "fp32" (much faster on
+    a CPU); "probe_every": every so many steps (and the first) run the step twice, once with the auxiliary loss
+    off, and split its gradient into the language-model loss's and the auxiliary loss's (grad_split))
+
+Per step also the auxiliary loss of each MoE layer (aux: megatron's tracker, E x sum_e f_e P_e, 1 balanced, E/k
+when every token goes to the same k experts, mean over micro-batches); on "markov" data the run's entropies
+(entropy: "unigram", what a model that predicts the token frequencies alone scores; "floor", the chain's). A dense
+equivalent of a MoE model: "experts": 1, "topk": 1 with overrides {"moe_router_pre_softmax": true,
+"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"} (the one expert's gate is 1).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ SETTINGS: dict[str, Any] = {
     "steps": 30, "schedule": 0, "lr": 3.0e-4, "warmup": 3, "seq": 64, "mbs": 4, "micro_batches": 2, "hidden": 128,
     "experts": 32, "topk": 8, "layers": 3, "seed": 1, "data": "docs", "fp32_counts": True, "overrides": {},
     "router_lr_mult": 1.0, "model": "step-3.5-flash-slice-1gpu", "ffn": 0, "moe_ffn": 0, "kv": 0,
-    "optimizer": {}, "embedding_lr_mult": 1.0, "vocab": 256, "precision": "bf16",
+    "optimizer": {}, "embedding_lr_mult": 1.0, "vocab": 256, "precision": "bf16", "probe_every": 0,
 }
 CORPUS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -81,11 +89,54 @@ def margin(router: Any, hidden: torch.Tensor, topk: int) -> list[float]:  # [] w
         return [busiest, round(float(gap.median()), 4), round(float(router.expert_bias[busiest]), 4)]
 
 
+def markov_entropy(table: torch.Tensor, seq: int) -> dict[str, float]:
+    """What the loss is measured against on the "markov" stream (nats): "unigram", the entropy of the targets'
+    token frequencies (over the window's target positions 1..seq; each block of synthetic.BLOCK starts from a
+    uniform token), the loss of a model that predicts the same distribution at every position; "floor", the
+    loss of one that knows the chain (a block's first token stays uniform)."""
+    from stepdeploy.workload.synthetic import BLOCK
+
+    vocab, succ = table.shape
+    marginal, mean = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
+    chain = torch.zeros(vocab, dtype=torch.float64)  # the entropy of each token's successors (repeats count twice)
+    for row in range(vocab):
+        _, counts = table[row].unique(return_counts=True)
+        q = counts.double() / succ
+        chain[row] = -(q * q.log()).sum()
+    floor = 0.0
+    for pos in range(1, BLOCK * (-(-(seq + 1) // BLOCK))):
+        prev = marginal
+        marginal = torch.zeros(vocab, dtype=torch.float64).index_add_(
+            0, table.flatten(), prev.repeat_interleave(succ) / succ) if pos % BLOCK else prev * 0 + 1.0 / vocab
+        if pos <= seq:
+            mean += marginal / seq
+            floor += (float((prev * chain).sum()) if pos % BLOCK else float(torch.tensor(vocab).log())) / seq
+    return {"unigram": round(float(-torch.special.xlogy(mean, mean).sum()), 4), "floor": round(floor, 4),
+            "uniform": round(float(torch.tensor(float(vocab)).log()), 4)}
+
+
 def common_mode(hidden: torch.Tensor) -> float:
     """How much of the router's input all tokens share: |mean over tokens| / rms over tokens of |x| (1: every
     token the same vector, about 1/sqrt(tokens) for independent ones)."""
     x = hidden.reshape(-1, hidden.shape[-1]).float()
     return round(float(x.mean(dim=0).norm() / x.norm(dim=1).pow(2).mean().sqrt()), 3)
+
+
+def grad_split(model: Any, lm_grads: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The step's gradient (main_grad, before clipping) split into the language-model loss's (`lm_grads`, the same
+    step run with the auxiliary loss off) and the rest, the auxiliary loss's: their norms, the cosine between them,
+    and the auxiliary part's norm on the routers' weights and on everything else."""
+    total = lm = aux = dot = aux_router = 0.0
+    for name, param in model.named_parameters():
+        g, g_lm = param.main_grad.detach().float(), lm_grads[name].float()
+        g_aux = g - g_lm
+        total, lm, aux = total + float(g.pow(2).sum()), lm + float(g_lm.pow(2).sum()), aux + float(g_aux.pow(2).sum())
+        dot += float((g_lm * g_aux).sum())
+        if "router" in name:
+            aux_router += float(g_aux.pow(2).sum())
+    return {"total": round(total ** 0.5, 3), "lm": round(lm ** 0.5, 3), "aux": round(aux ** 0.5, 3),
+            "cos": round(dot / max(1e-30, (lm * aux) ** 0.5), 3), "aux_router": round(aux_router ** 0.5, 3),
+            "aux_rest": round(max(0.0, aux - aux_router) ** 0.5, 3)}
 
 
 def main() -> None:
@@ -96,6 +147,7 @@ def main() -> None:
     import moe_stats
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.transformer_config import TransformerConfig
     from schedule import lr_at
 
@@ -178,15 +230,32 @@ def main() -> None:
         windows = ([markov_tokens(table, s["seed"], iteration, micro, 0, mbs, seq + 1)
                     for micro in range(s["micro_batches"])] if table is not None else
                    [torch.stack([stream[i:i + seq + 1] for i in row.tolist()]) for row in starts])
-        feed = iter([(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows])
-        losses = forward_backward(forward_step_func=forward_step, data_iterator=feed, model=chunks,
+        batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+        probe = s["probe_every"] and (iteration == 1 or iteration % s["probe_every"] == 0)
+        if probe:  # the language-model loss's gradient alone: the same step with the auxiliary loss off
+            coeff, config.moe_aux_loss_coeff = config.moe_aux_loss_coeff, 0.0
+            forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
+                             num_microbatches=s["micro_batches"], seq_length=seq, micro_batch_size=mbs,
+                             decoder_seq_length=seq, forward_only=False)
+            config.moe_aux_loss_coeff = coeff
+            lm_grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+            model.zero_grad_buffer()
+            stats.reduce()  # the probe's routing is not the step's count
+            clear_aux_losses_tracker()
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
                                   num_microbatches=s["micro_batches"], seq_length=seq, micro_batch_size=mbs,
                                   decoder_seq_length=seq, forward_only=False)
+        split = grad_split(model, lm_grads) if probe else None
+        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        aux = ([round(float(v) / s["micro_batches"], 4) for v in tracked["values"] if float(v) != 0.0]
+               if tracked is not None else [])
+        clear_aux_losses_tracker()
         _ok, grad_norm, _ = optimizer.step()
         got = stats.reduce()
         steps.append({"it": iteration, "lr": round(lr, 7),
                       "loss": round(float(sum(x["lm loss"] for x in losses) / len(losses)), 4),
-                      "grad_norm": round(float(grad_norm), 3), "load": got["moe_load"],
+                      "grad_norm": round(float(grad_norm), 3), "load": got["moe_load"], "aux": aux,
+                      **({"grad_split": split} if split else {}),
                       "bias": got.get("router_bias"), "busiest_bias": got.get("router_bias_busiest"),
                       "margin": [margin(r, inputs[i], s["topk"]) for i, r in enumerate(routers)],
                       "common": [common_mode(inputs[i]) for i in range(len(routers))]})
@@ -194,6 +263,7 @@ def main() -> None:
              "counts_dtype": str(getattr(getattr(r, "local_tokens_per_expert", None), "dtype", None)),
              "weight_std": round(float(r.weight.float().std()), 5)} for r in routers]
     print(json.dumps({"settings": s, "ceiling": s["experts"] / s["topk"], "steps": steps, "routers": last,
+                      **({"entropy": markov_entropy(table, seq)} if table is not None else {}),
                       "counts_dtype_wrapped": counts_dtype, "counts_converted": converted}))
 
 
