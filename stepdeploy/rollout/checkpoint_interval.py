@@ -62,6 +62,21 @@ def step_estimate(r: AttemptService) -> tuple[float, str]:
     return planned_step(r.cluster, r.config)
 
 
+def startup_estimate(r: AttemptService) -> float:
+    """Seconds from a start of the target to the end of its first step, as the warm-up stage measured them (its
+    attempt's start in the ledger to its `first_step` phase): what a soak spends before it trains. 0 when the
+    warm-up did not measure it (it did not run, or its phases were not fetched)."""
+    for attempt in r.ledger.attempts(r.run_id, "warmup"):
+        run = attempt["detail"].get("local_run")
+        if not isinstance(run, str) or not isinstance(attempt.get("started"), int | float):
+            continue
+        first = next((p for p in read_phases(Path(run) / "fetched") if p.get("phase") == "first_step"
+                      and isinstance(p.get("time"), int | float)), None)
+        if first is not None:
+            return max(0.0, float(first["time"]) - float(attempt["started"]))
+    return 0.0
+
+
 def planned_step(cluster: Cluster, config: RolloutConfig) -> tuple[float, str]:
     predicted, why = predicted_step(cluster, config)
     if predicted:

@@ -73,6 +73,10 @@ def test_failing_gate_stops_then_resume_completes_and_report_renders(cluster: Si
     assert {"report-lr.png", "report-grad_norm.png", "report-moe_load.png", "report-goodput.png"} <= set(pngs)
     assert all((run / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "<h2>Goodput</h2>" in html and "effective training time" in html
+    # the soak's schedule counts its iterations after the start-up the warm-up measured (launch to its first step)
+    (schedule,) = [e["data"] for e in led.events("gated") if e["kind"] == "schedule"]
+    assert 0 < schedule["startup_s"] <= 10.0, schedule  # at most half the 20 s soak
+    assert schedule["expected_iterations"] == max(2, int((20.0 - schedule["startup_s"]) / schedule["step_s"]))
     (goodput,) = [e["data"] for e in led.events("gated") if e["kind"] == "goodput"]
     assert 0 < goodput["ratio"] < 1 and goodput["failures"] == [] and len(goodput["starts"]) == 1, goodput
 

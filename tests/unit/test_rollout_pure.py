@@ -204,3 +204,8 @@ def test_the_soak_schedule_is_sized_from_its_expected_iterations() -> None:
     assert week.warmup == MAX_WARMUP and week.decay == week.expected == 518_400
     tiny = soak_schedule(1.0, 5.0, "assumed")
     assert (tiny.expected, tiny.warmup, tiny.decay) == (2, 1, 2)
+    # the start-up the warm-up measured comes off the duration first; at most half of it (a cold start)
+    started = soak_schedule(150.0, 0.645, "measured in the warm-up", startup_s=20.0)
+    assert (started.expected, started.warmup, started.decay) == (201, 10, 201) and started.to_json()["startup_s"] == 20
+    cold = soak_schedule(150.0, 0.645, "measured in the warm-up", startup_s=120.0)
+    assert cold.expected == int(75.0 / 0.645) and cold.startup_s == 75.0
