@@ -58,12 +58,17 @@ def _lines(ax: Axes, axis: TimeAxis, rows: list[dict[str, Any]], label: str | No
                 **style)
 
 
-def _moe_load(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
-    """The most loaded expert over the mean, per step: every MoE layer thin and grey, the worst layer by rung."""
-    layers = _per_name(data, "moe_load")
+def _each_layer(data: RunData, ax: Axes, axis: TimeAxis, prefix: str) -> None:
+    """The per-layer series `prefix/<layer>` thin and grey (up to MAX_LAYER_LINES layers), under a summary line."""
+    layers = _per_name(data, prefix)
     if len(layers) <= MAX_LAYER_LINES:
         for i, rows in enumerate(layers.values()):
             _lines(ax, axis, rows, "each MoE layer" if i == 0 else None, color="#bbbbbb", linewidth=0.7)
+
+
+def _moe_load(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
+    """The most loaded expert over the mean, per step: every MoE layer thin and grey, the worst layer by rung."""
+    _each_layer(data, ax, axis, "moe_load")
     drawn = by_segment(data, ax, axis, "moe_load_max", "expert load (max / mean)")
     if drawn:
         ax.axhline(1.0, color="#888888", linewidth=0.8, linestyle=":")  # perfectly balanced
@@ -72,10 +77,7 @@ def _moe_load(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
 
 def _aux_loss(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
     """megatron's load-balancing loss before its coefficient: every MoE layer thin and grey, the mean by rung."""
-    layers = _per_name(data, "moe_aux_loss")
-    if len(layers) <= MAX_LAYER_LINES:
-        for i, rows in enumerate(layers.values()):
-            _lines(ax, axis, rows, "each MoE layer" if i == 0 else None, color="#bbbbbb", linewidth=0.7)
+    _each_layer(data, ax, axis, "moe_aux_loss")
     return by_segment(data, ax, axis, "moe_aux_loss_mean", "load-balancing loss (mean over layers)")
 
 

@@ -16,9 +16,10 @@ expert, the busiest expert's bias and its lead (margin), and how much of each ro
     a CPU); "probe_every": every so many steps (and the first) run the step twice, once with the auxiliary loss
     off, and split its gradient into the language-model loss's and the auxiliary loss's (grad_split))
 
-Per step also the auxiliary loss of each MoE layer (aux: megatron's tracker, E x sum_e f_e P_e, 1 balanced, E/k
-when every token goes to the same k experts, mean over micro-batches); on "markov" data the run's entropies
-(entropy: "unigram", what a model that predicts the token frequencies alone scores; "floor", the chain's). A dense
+Per step also the auxiliary loss of each MoE layer (aux, by layer: moe_stats reads megatron's tracker, E x sum_e
+f_e P_e, 1 balanced, E/k when every token goes to the same k experts, mean over micro-batches); on "markov" data
+the run's entropies (entropy: "unigram", what a model that predicts the token frequencies alone scores; "floor",
+the chain's). A dense
 equivalent of a MoE model: "experts": 1, "topk": 1 with overrides {"moe_router_pre_softmax": true,
 "moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"} (the one expert's gate is 1).
 """
@@ -147,7 +148,6 @@ def main() -> None:
     import moe_stats
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.transformer_config import TransformerConfig
     from schedule import lr_at
 
@@ -205,7 +205,7 @@ def main() -> None:
         group["weight_decay"] = em.WEIGHT_DECAY * group.get("wd_mult", 1.0)
     model = chunks[0]
     m = cfg["model"]
-    stats = moe_stats.RouterStats(m["num_layers"], s["experts"], s["topk"], "cpu")
+    stats = moe_stats.RouterStats(m["num_layers"], s["experts"], s["topk"], "cpu", s["micro_batches"])
     stats.watch_megatron(model)
     routers = [mod for mod in model.modules() if type(mod).__name__ == "TopKRouter"]
     inputs: dict[int, torch.Tensor] = {}
@@ -240,21 +240,17 @@ def main() -> None:
             config.moe_aux_loss_coeff = coeff
             lm_grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
             model.zero_grad_buffer()
-            stats.reduce()  # the probe's routing is not the step's count
-            clear_aux_losses_tracker()
+            stats.reduce()  # the probe's routing and auxiliary loss are not the step's (it clears both)
         losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
                                   num_microbatches=s["micro_batches"], seq_length=seq, micro_batch_size=mbs,
                                   decoder_seq_length=seq, forward_only=False)
         split = grad_split(model, lm_grads) if probe else None
-        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        aux = ([round(float(v) / s["micro_batches"], 4) for v in tracked["values"] if float(v) != 0.0]
-               if tracked is not None else [])
-        clear_aux_losses_tracker()
         _ok, grad_norm, _ = optimizer.step()
         got = stats.reduce()
         steps.append({"it": iteration, "lr": round(lr, 7),
                       "loss": round(float(sum(x["lm loss"] for x in losses) / len(losses)), 4),
-                      "grad_norm": round(float(grad_norm), 3), "load": got["moe_load"], "aux": aux,
+                      "grad_norm": round(float(grad_norm), 3), "load": got["moe_load"],
+                      "aux": got.get("moe_aux_loss", {}),
                       **({"grad_split": split} if split else {}),
                       "bias": got.get("router_bias"), "busiest_bias": got.get("router_bias_busiest"),
                       "margin": [margin(r, inputs[i], s["topk"]) for i, r in enumerate(routers)],
