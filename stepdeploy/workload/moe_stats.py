@@ -78,6 +78,7 @@ class RouterStats:
         summed = torch.cat([self.counts.flatten(), self.assigned, self.present, aux, flag, bias.flatten()])
         if dist.is_initialized():
             dist.all_reduce(summed)
+        summed = summed.cpu()  # one device-to-host copy for every figure below
         cut = slots * self.experts
         counts = summed[:cut].view(slots, self.experts)
         assigned, present = summed[cut:cut + slots], summed[cut + slots:cut + 2 * slots]
@@ -88,12 +89,11 @@ class RouterStats:
         self.counts.zero_()
         self.assigned.zero_()
         busiest = bias.gather(1, counts.argmax(dim=1, keepdim=True)).squeeze(1)
-        out = summarise(counts.cpu(), assigned.cpu(), present.cpu(), bias.abs().amax(dim=1).cpu(), bool(self.bias_of)
+        out = summarise(counts, assigned, present, bias.abs().amax(dim=1), bool(self.bias_of)
                         and any(r is not None for r in self.bias_of.values()), ceiling=self.experts / self.topk,
-                        busiest_bias=busiest.cpu())
+                        busiest_bias=busiest)
         if has_aux:
-            aux, held = aux.cpu(), present.cpu()
-            per_layer = {str(s + 1): round(float(aux[s]), 5) for s in range(slots) if held[s] > 0}
+            per_layer = {str(s + 1): round(float(aux[s]), 5) for s in range(slots) if present[s] > 0}
             out |= {"moe_aux_loss": per_layer,
                     "moe_aux_loss_mean": round(sum(per_layer.values()) / len(per_layer), 5) if per_layer else None}
         return out
