@@ -178,13 +178,18 @@ class FirstStepProfile:
     do not (torch.compile loading or compiling kernels, lazy imports, first allocations) by Python function.
     out/first-step-rank<R>-<iteration>.json (one per start): the step's wall time (cProfile's overhead in it),
     the time under each of HOST_CATEGORIES (the cumulative time of the category's outermost functions), and the
-    top functions by cumulative and by own time."""
+    top functions by cumulative and by own time; which functions of the model called into torch.compile and for
+    how long (`compile_callers`: a compiled function is named by its call site), and torch.compile's caches
+    during the step (`compile_counters`: dynamo's counters that changed, e.g. inductor's fxgraph_cache_hit,
+    aot_autograd's autograd_cache_miss)."""
 
     def __init__(self, out_dir: Path, rank: int, iteration: int) -> None:
         self.iteration, self.path = iteration, out_dir / f"first-step-rank{rank}-{iteration}.json"
         self.profiler = cProfile.Profile()
+        self.counters_before: dict[str, dict[str, int]] = {}
 
     def start(self) -> None:
+        self.counters_before = compile_counters()
         self.profiler.enable()
 
     def stop(self, step_s: float) -> None:
@@ -192,7 +197,9 @@ class FirstStepProfile:
         stats = pstats.Stats(self.profiler).stats  # type: ignore[attr-defined]
         ckpt.atomic_write_json(self.path, {"iteration": self.iteration, "step_s": round(step_s, 4),
                                            "categories": categories(stats), "by_cumulative": top(stats, 3),
-                                           "by_own_time": top(stats, 2)})
+                                           "by_own_time": top(stats, 2), "compile_callers": compile_callers(stats),
+                                           "compile_counters": counter_changes(self.counters_before,
+                                                                               compile_counters())})
 
 
 def function_name(key: tuple[str, int, str]) -> str:
@@ -210,6 +217,44 @@ def categories(stats: dict[Any, Any]) -> dict[str, float]:
         out[label] = round(sum(row[3] for key, row in stats.items()
                                if within(key) and not any(within(caller) for caller in row[4])), 3)
     return out
+
+
+def compile_callers(stats: dict[Any, Any], count: int = 15) -> list[list[Any]]:
+    """The functions of the model (not torch's, not built-ins) that called into torch.compile, with the seconds
+    under each call edge (a compiled function's frame is dynamo's wrapper, so its caller is the call site):
+    [name, seconds, calls], largest first."""
+    marks = HOST_CATEGORIES[0][1]
+    edges: dict[tuple[str, int, str], list[float]] = {}
+    for key, row in stats.items():
+        if not any(mark in key[0] for mark in marks):
+            continue
+        for caller, (_, calls, _, cumulative) in row[4].items():
+            if caller[0] != "~" and "/torch/" not in caller[0]:
+                edge = edges.setdefault(caller, [0.0, 0])
+                edge[0] += cumulative
+                edge[1] += calls
+    rows = sorted(edges.items(), key=lambda item: item[1][0], reverse=True)[:count]
+    return [[function_name(key), round(seconds, 4), int(calls)] for key, (seconds, calls) in rows]
+
+
+def compile_counters() -> dict[str, dict[str, int]]:
+    """torch.compile's counters (torch._dynamo.utils.counters) for the caches and compiles; {} without dynamo."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # a torch without dynamo: nothing to count
+        return {}
+    return {group: dict(counters[group]) for group in ("inductor", "aot_autograd", "stats") if group in counters}
+
+
+def counter_changes(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The counters that changed between two compile_counters() snapshots: {"group/name": change}."""
+    changes = {}
+    for group, values in after.items():
+        for name, value in values.items():
+            change = value - before.get(group, {}).get(name, 0)
+            if change:
+                changes[f"{group}/{name}"] = change
+    return dict(sorted(changes.items()))
 
 
 def top(stats: dict[Any, Any], column: int, count: int = 30) -> list[list[Any]]:

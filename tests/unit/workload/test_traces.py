@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,3 +116,41 @@ def test_host_categories_count_a_category_s_outermost_functions_once() -> None:
     assert traces.categories(stats)["torch.compile (dynamo, inductor, triton: compiling or loading from its cache)"] \
         == 2.0
     assert traces.top(stats, 2, 1) == [["_dynamo/convert_frame.py:20(compile)", 1.5, 1]]
+
+
+def test_compile_callers_name_the_model_s_call_sites_of_compiled_functions() -> None:
+    """An edge into torch.compile counts where the caller is the model's code: not torch's own wrappers, not a
+    built-in, not torch.compile calling itself."""
+    dynamo, inductor = ("/x/torch/_dynamo/eval_frame.py", 10, "_fn"), ("/x/torch/_inductor/utils.py", 3, "run")
+    wrapper, builtin = ("/x/torch/_utils_internal.py", 85, "wrapper_function"), ("~", 0, "<built-in method x>")
+    loss, mlp = ("/x/megatron/core/fusions/fused_cross_entropy.py", 40, "forward"), ("/w/layers.py", 7, "mlp")
+    stats = {dynamo: (3, 3, 0.1, 2.5, {loss: (2, 2, 0.1, 2.0), mlp: (1, 1, 0.0, 0.5), wrapper: (1, 1, 0.0, 0.4)}),
+             inductor: (1, 1, 0.2, 1.0, {dynamo: (1, 1, 0.2, 1.0), builtin: (1, 1, 0.0, 0.3)})}
+    assert traces.compile_callers(stats) == [["fusions/fused_cross_entropy.py:40(forward)", 2.0, 2],
+                                              ["w/layers.py:7(mlp)", 0.5, 1]]
+
+
+def test_counter_changes_keep_only_what_changed() -> None:
+    before = {"inductor": {"fxgraph_cache_hit": 2, "fxgraph_cache_miss": 1}}
+    after = {"inductor": {"fxgraph_cache_hit": 5, "fxgraph_cache_miss": 1}, "aot_autograd": {"autograd_cache_miss": 1}}
+    assert traces.counter_changes(before, after) == {"aot_autograd/autograd_cache_miss": 1,
+                                                     "inductor/fxgraph_cache_hit": 3}
+
+
+def test_a_first_step_that_compiles_names_the_call_site_and_the_counters(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch.compile'd function first called inside the profiled step (dynamo with the eager backend: no C++
+    compiler needed): its call site is in compile_callers, and dynamo's capture in compile_counters."""
+    compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="eager")
+
+    def model_forward(x: Any) -> Any:
+        return compiled(x)
+
+    monkeypatch.setenv("STEPDEPLOY_PROFILE_FIRST", "1")
+    profile = traces.StepProfile(tmp_path, 0, None, first_step=1)
+    profile.before(1)
+    model_forward(torch.randn(8))
+    assert profile.after(1, 0.5) is True
+    result = json.loads((tmp_path / "first-step-rank0-1.json").read_text())
+    assert result["compile_callers"][0][0].endswith("(model_forward)") and result["compile_callers"][0][1] > 0
+    assert result["compile_counters"].get("stats/unique_graphs") == 1
