@@ -70,9 +70,14 @@ fi
 if [[ $steps == *" firststep "* ]]; then
 # what a start's first step costs, and why (issue 20): the dense proxy's rollout with a kill, every start's first
 # step under cProfile (--env STEPDEPLOY_PROFILE_FIRST=1): the warm-up's (a cold compile cache), the soak's first
-# start and its restart (warm); first-step-rank0-<iteration>.json of each
+# start and its restart (warm); first-step-rank0-<iteration>.json of each. FIRST_ENV: more KEY=VALUE for every rank
+# (space-separated), e.g. FIRST_ENV=TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0: inductor's occupancy-driven halving of a
+# reduction's block, which adds a second config to benchmark at every start (docs/benchmarks.md, call AK)
+first_env=()
+for pair in ${FIRST_ENV:-}; do first_env+=(--env "$pair"); done
 local_rollout local-first "${FIRST_TIMEOUT:-200}" -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \
-    --soak-duration 70s --checkpoint-interval 20 --inject kill:rank=last@45s --env STEPDEPLOY_PROFILE_FIRST=1
+    --soak-duration 70s --checkpoint-interval 20 --inject kill:rank=last@45s --env STEPDEPLOY_PROFILE_FIRST=1 \
+    "${first_env[@]}"
 find /tmp/local-first -name 'first-step-rank*.json' -path '*fetched*' -exec cp --backup=numbered {} "$keep/" \;
 printf '%s\n' "$keep"/first-step*
 fi
