@@ -116,10 +116,13 @@ fi
 if [[ $steps == *" moevariants "* ]]; then
 # the MoE proxy's unigram plateau and routers (issue 20) under megatron-core options set through the product
 # (render --env STEPDEPLOY_MCORE_OVERRIDES): MOE_VARIANTS is "NAME=JSON NAME=JSON ..." (JSON without spaces; "{}":
-# the catalog's configuration), each run MOE_VARIANT_ITERS iterations with a warm-up of MOE_VARIANT_WARMUP
+# the catalog's configuration), each run MOE_VARIANT_ITERS iterations with a warm-up of MOE_VARIANT_WARMUP.
+# MOE_RENDER_ARGS: more render options for every variant, e.g. "--layout grouped_gemm=false" (megatron-core's
+# SequentialMLP instead of the engine's grouped experts: rules the engine's own expert kernels in or out)
+read -ra render_args <<< "${MOE_RENDER_ARGS:-}"
 for variant in ${MOE_VARIANTS:-catalog={\}}; do
     moe_run "moe-${variant%%=*}" "${MOE_VARIANT_ITERS:-40}" "${MOE_VARIANT_WARMUP:-2}" \
-        --env "STEPDEPLOY_MCORE_OVERRIDES=${variant#*=}"
+        --env "STEPDEPLOY_MCORE_OVERRIDES=${variant#*=}" "${render_args[@]}"
 done
 fi
 
