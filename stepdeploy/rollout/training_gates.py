@@ -152,6 +152,14 @@ def expert_load(metrics: Metrics, warmup: int, t: Thresholds) -> list[GateVerdic
     elif share is not None and share > t.max_busiest_share:
         why = (f": {share:.0%} of its ceiling {ceiling:g} (> {t.max_busiest_share:.0%}), the busiest expert takes "
                "(nearly) every token: the router has collapsed onto it")
+    layers = layer_medians(rows)
+    if layers:  # which layers the worst-layer figure comes from, against the limit the median is held to
+        limit = t.max_expert_load if share is None else min(t.max_expert_load, t.max_busiest_share * ceiling)
+        over = sorted(((v, layer) for layer, v in layers.items() if v > limit), reverse=True)
+        measured |= {"layers": len(layers), "layers_over": len(over)}
+        why += (f"; by its own median {len(over)} of {len(layers)} layer(s) above {limit:g}: "
+                + ", ".join(f"layer {layer} {v:.2f}" for v, layer in over[:4]) + (", ..." if len(over) > 4 else "")
+                if over else f"; no layer's own median above {limit:g} (of {len(layers)})")
     verdicts = [GateVerdict("expert_load", passed, measured, t.max_expert_load,
                             f"busiest expert {median:.2f}x the mean (median over {len(loads)} steps after warm-up, "
                             f"worst layer each step; 1.0 is perfect balance)" + why)]
@@ -166,6 +174,17 @@ def expert_load(metrics: Metrics, warmup: int, t: Thresholds) -> list[GateVerdic
                                     f"{rows[-1]['iteration']} iterations)"
                                     + ("" if top <= t.max_router_bias else ": it outweighs the router's scores")))
     return verdicts
+
+
+def layer_medians(rows: Metrics) -> dict[str, float]:
+    """Each MoE layer's own median over the steps of its busiest expert over the mean (the lines' `moe_load`),
+    {} where no line has them: which layers the worst-layer figure comes from."""
+    per_layer: dict[str, list[float]] = {}
+    for m in rows:
+        for layer, value in (m.get("moe_load") or {}).items():
+            if _finite(value):
+                per_layer.setdefault(str(layer), []).append(value)
+    return {layer: round(statistics.median(values), 3) for layer, values in per_layer.items()}
 
 
 def soak_training_gates(metrics: Metrics, warmup: int, t: Thresholds) -> list[GateVerdict]:

@@ -141,3 +141,18 @@ def test_per_layer_metrics_reach_the_ledger_as_named_rows() -> None:
     rows = {(name, value) for _ts, _rank, _it, name, value in metric_rows([line], ("loss", "moe_load_max"))}
     assert rows == {("loss", 2.0), ("moe_load_max", 1.5), ("moe_load/2", 1.2), ("moe_load/3", 1.5),
                     ("router_bias/2", 0.01), ("mtp_loss/1", 2.5)}
+
+
+def test_expert_load_names_the_layers_whose_own_median_is_over() -> None:
+    """The H200 MoE proxy's soak (call AJ): the worst layer was at the ceiling every step, but only some layers
+    stayed there; the verdict names them by their own medians, worst first."""
+    loads = [{"1": 1.4, "2": 2.2 + 0.01 * i, "3": 4.0, "4": 3.9 if i < 20 else 2.0} for i in range(30)]
+    lines = run([2.0] * 30, moe_load_max=[4.0] * 30, moe_load_ceiling=[4.0] * 30, moe_load=loads)
+    [verdict] = [v for v in expert_load(lines, warmup=5, t=T) if v.gate == "expert_load"]
+    assert not verdict.passed and verdict.measured["layers"] == 4 and verdict.measured["layers_over"] == 2
+    assert "2 of 4 layer(s) above 3.6: layer 3 4.00, layer 4 3.90" in verdict.reason
+    balanced = run([2.0] * 30, moe_load_max=[1.8] * 30, moe_load_ceiling=[4.0] * 30,
+                   moe_load=[{"1": 1.5, "2": 1.8}] * 30)
+    [ok] = [v for v in expert_load(balanced, warmup=5, t=T) if v.gate == "expert_load"]
+    assert ok.passed and "no layer's own median above 3.6 (of 2)" in ok.reason
+    assert "layers" not in expert_load(run([2.0] * 30, moe_load_max=[1.8] * 30), warmup=5, t=T)[0].measured
