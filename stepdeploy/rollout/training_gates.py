@@ -157,9 +157,7 @@ def expert_load(metrics: Metrics, warmup: int, t: Thresholds) -> list[GateVerdic
         limit = t.max_expert_load if share is None else min(t.max_expert_load, t.max_busiest_share * ceiling)
         over = sorted(((v, layer) for layer, v in layers.items() if v > limit), reverse=True)
         measured |= {"layers": len(layers), "layers_over": len(over)}
-        why += (f"; by its own median {len(over)} of {len(layers)} layer(s) above {limit:g}: "
-                + ", ".join(f"layer {layer} {v:.2f}" for v, layer in over[:4]) + (", ..." if len(over) > 4 else "")
-                if over else f"; no layer's own median above {limit:g} (of {len(layers)})")
+        why += "; " + _layers_over(over, len(layers), limit)
     verdicts = [GateVerdict("expert_load", passed, measured, t.max_expert_load,
                             f"busiest expert {median:.2f}x the mean (median over {len(loads)} steps after warm-up, "
                             f"worst layer each step; 1.0 is perfect balance)" + why)]
@@ -174,6 +172,14 @@ def expert_load(metrics: Metrics, warmup: int, t: Thresholds) -> list[GateVerdic
                                     f"{rows[-1]['iteration']} iterations)"
                                     + ("" if top <= t.max_router_bias else ": it outweighs the router's scores")))
     return verdicts
+
+
+def _layers_over(over: list[tuple[float, str]], layers: int, limit: float) -> str:
+    """The layers whose own median is over the limit, worst first (four named), or that none is."""
+    if not over:
+        return f"no layer's own median above {limit:g} (of {layers})"
+    named = ", ".join(f"layer {layer} {v:.2f}" for v, layer in over[:4]) + (", ..." if len(over) > 4 else "")
+    return f"by its own median {len(over)} of {layers} layer(s) above {limit:g}: {named}"
 
 
 def layer_medians(rows: Metrics) -> dict[str, float]:

@@ -212,11 +212,14 @@ def categories(stats: dict[Any, Any]) -> dict[str, float]:
     """Seconds under each category: the cumulative time of its functions that no function of it called."""
     out = {}
     for label, marks in HOST_CATEGORIES:
-        def within(key: tuple[str, int, str], marks: tuple[str, ...] = marks) -> bool:
-            return any(mark in key[0] or mark in key[2] for mark in marks)
         out[label] = round(sum(row[3] for key, row in stats.items()
-                               if within(key) and not any(within(caller) for caller in row[4])), 3)
+                               if within(key, marks) and not any(within(caller, marks) for caller in row[4])), 3)
     return out
+
+
+def within(key: tuple[str, int, str], marks: tuple[str, ...]) -> bool:
+    """A function (cProfile's (file, line, name)) is in a HOST_CATEGORIES category: its file or name has a mark."""
+    return any(mark in key[0] or mark in key[2] for mark in marks)
 
 
 def compile_callers(stats: dict[Any, Any], count: int = 15) -> list[list[Any]]:
@@ -226,7 +229,7 @@ def compile_callers(stats: dict[Any, Any], count: int = 15) -> list[list[Any]]:
     marks = HOST_CATEGORIES[0][1]
     edges: dict[tuple[str, int, str], list[float]] = {}
     for key, row in stats.items():
-        if not any(mark in key[0] for mark in marks):
+        if not within(key, marks):
             continue
         for caller, (_, calls, _, cumulative) in row[4].items():
             if caller[0] != "~" and "/torch/" not in caller[0]:
