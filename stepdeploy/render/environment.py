@@ -145,6 +145,11 @@ def _torch(node: Node, layout: Layout, opts: RenderOptions) -> list[EnvVar]:
     if gpus:
         env.append(EnvVar("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True",
                           ("fewer fragmentation OOMs with changing shapes (MoE routing)",)))
+        env.append(EnvVar("TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK", "0",
+                          ("inductor's load-time halving of a reduction kernel's block adds a second config that is",
+                           "benchmarked again at every process start, warm cache or not (pytorch/pytorch#189121):",
+                           "on an H200 the dense proxy's first step after a restart 5.78 s -> 2.75 s, kill to first",
+                           "new step 21.0 -> 17.7 s, the steady step unchanged (0.626/0.627 s): docs/benchmarks.md")))
         if layout.optimizer_cpu_offload and gpus > 1:
             env.append(EnvVar("OMP_NUM_THREADS", f"$(( $(nproc) / {gpus} > 1 ? $(nproc) / {gpus} : 1 ))",
                               ("optimizer CPU offload: each rank's AdamW runs on the host with this many threads, the",

@@ -61,6 +61,16 @@ def test_cpu_node_gets_gloo_interface_and_no_cuda_settings() -> None:
     env, _ = env_of(Node(name="n", address="10.0.0.1", gpus_per_node=0, train_iface="eth0", fabric="ethernet"))
     assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["NCCL_IB_DISABLE"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
+    assert "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK" not in env  # a triton (GPU) kernel setting
+
+
+def test_gpu_node_turns_off_inductors_load_time_rblock_halving() -> None:
+    """A halved reduction block is a second config inductor benchmarks at every start, warm cache or not: 3 s of a
+    restart's first step on the H200 (docs/benchmarks.md, calls AK and AL)."""
+    env, _ = env_of(SPARK)
+    assert env["TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK"] == "0"
+    env, _ = env_of(SPARK, extra_env=(("TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK", "1"),))
+    assert env["TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK"] == "1"  # an operator's --env still wins
 
 
 def test_extra_env_wins_over_derived_values() -> None:

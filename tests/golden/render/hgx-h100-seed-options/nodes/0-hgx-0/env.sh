@@ -36,6 +36,11 @@ export TRITON_CACHE_DIR=/var/lib/stepdeploy/runs/.compile-cache/triton
 export THP_MEM_ALLOC_ENABLE=1
 # seed option cuda-malloc-async: a valid allocator backend, but its memory statistics differ from the caching allocator's, so peak memory is not comparable with the planner's estimate; the default here is expandable_segments:True
 export PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
+# inductor's load-time halving of a reduction kernel's block adds a second config that is
+# benchmarked again at every process start, warm cache or not (pytorch/pytorch#189121):
+# on an H200 the dense proxy's first step after a restart 5.78 s -> 2.75 s, kill to first
+# new step 21.0 -> 17.7 s, the steady step unchanged (0.626/0.627 s): docs/benchmarks.md
+export TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0
 # one hardware queue keeps TP/sequence-parallel comm ordered ahead of compute
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 # NVLink multicast off (inventory/--no-nvls): a program using it can take shared GPUs down

@@ -38,3 +38,8 @@ export TRITON_CACHE_DIR=/var/lib/stepdeploy/runs/.compile-cache/triton
 export THP_MEM_ALLOC_ENABLE=1
 # fewer fragmentation OOMs with changing shapes (MoE routing)
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# inductor's load-time halving of a reduction kernel's block adds a second config that is
+# benchmarked again at every process start, warm cache or not (pytorch/pytorch#189121):
+# on an H200 the dense proxy's first step after a restart 5.78 s -> 2.75 s, kill to first
+# new step 21.0 -> 17.7 s, the steady step unchanged (0.626/0.627 s): docs/benchmarks.md
+export TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0
