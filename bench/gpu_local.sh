@@ -61,9 +61,11 @@ fi
 
 if [[ $steps == *" moeproxy "* ]]; then
 # the MoE proxy's own rollout (issue 20: it passes on one GPU) on the default data, the seeded synthetic stream:
-# warm-up, then a soak whose gates judge the expert load after the warm-up; no checkpoint (~50 GB each)
-local_rollout local-moeproxy "${MOEPROXY_TIMEOUT:-240}" -m proxy-0.7b-moe --stages warmup,soak \
-    --warmup-iterations 6 --soak-duration "${MOEPROXY_SOAK:-60s}" --checkpoint-interval 100000
+# warm-up, then a soak whose gates judge the expert load after the warm-up; no checkpoint (~50 GB each). 300 s: the
+# routers collapse in the first steps and come back as the loss leaves the unigram plateau (steps 40-80); a 60 s soak
+# ends inside that and fails expert_load (docs/benchmarks.md, calls AJ and AL-AN)
+local_rollout local-moeproxy "${MOEPROXY_TIMEOUT:-540}" -m proxy-0.7b-moe --stages warmup,soak \
+    --warmup-iterations 6 --soak-duration "${MOEPROXY_SOAK:-300s}" --checkpoint-interval 100000
 grep -i "expert_load\|moe_load" "$keep/local-moeproxy-report.txt" | head -5
 fi
 
