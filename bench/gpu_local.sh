@@ -87,15 +87,17 @@ fi
 moe_run() {  # NAME ITERS WARMUP [render options...]: the MoE proxy rendered for ITERS iterations whose lr ramps from
              # peak/W over W = WARMUP iterations (render + run launch, no checkpoint); its metrics (moe_load per
              # layer, megatron's aux loss, grad norm) in $keep/NAME-metrics.jsonl and a line per step on stdout
-    local name=$1 iters=$2 warmup=$3 run=/tmp/local-$1 started=$SECONDS
+    local name=$1 iters=$2 warmup=$3 run=/tmp/local-$1 started=$SECONDS rc=0
     shift 3
     rm -rf "$run"
     python3 -m stepdeploy render -i "$inv" -m proxy-0.7b-moe --stage warmup --iterations "$iters" \
         --warmup-iterations "$warmup" --save-interval 0 --run-id "$name-$(date -u +%H%M%S)" "$@" \
         --out "$run" > "$keep/$name-render.log" 2>&1 || echo "render failed: $(tail -n 3 "$keep/$name-render.log")"
     timeout "${MOE_RUN_TIMEOUT:-170}" python3 -m stepdeploy run launch "$run" --executor local --follow \
-        > "$keep/$name.log" 2>&1
-    echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$keep/$name.log"
+        > "$keep/$name.log" 2>&1 || rc=$?
+    echo "$name: exit $rc after $((SECONDS - started)) s" | tee -a "$keep/$name.log"
+    # timeout ends the client, not the run: stop it, or the next run finds its rendezvous port taken (call AL)
+    [ "$rc" -eq 124 ] && python3 -m stepdeploy run stop "$run" --executor local --grace 5 >> "$keep/$name.log" 2>&1
     python3 -m stepdeploy run fetch "$run" --executor local > /dev/null 2>&1
     find "$run" -name metrics.jsonl -path '*fetched*' -exec cp {} "$keep/$name-metrics.jsonl" \;
     python3 - "$keep/$name-metrics.jsonl" <<'PY' || true

@@ -61,10 +61,12 @@ def _report(results: list[NodeResult], verb: str) -> None:
 
 @app.command("launch", epilog="Example: stepdeploy run launch runs/r1 --follow")
 def launch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
-           follow: bool = typer.Option(False, "--follow", "-f", help="Stream logs until the run ends."),
+           follow: bool = typer.Option(False, "--follow", "-f",
+                                       help="Stream logs until the run ends; exit as `run status` would then."),
            dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would be done; do nothing."),
            insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
-    """Upload the run directory to every node (atomically) and start it detached."""
+    """Upload the run directory to every node (atomically) and start it detached. With --follow, the exit code
+    is the run's: 0 if every node finished cleanly, 1 if it failed, 3 if a node is unreachable."""
     executor = executor_for(run_dir, inventory, insecure, executor_kind)
     if dry_run:
         for line in executor.describe(run_dir):
@@ -74,7 +76,15 @@ def launch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
         _report(executor.prepare(run_dir), "uploaded")
         _report(executor.start(), "started")
         if follow:
-            _follow(executor)
+            _exit_for(_follow(executor))
+
+
+def _exit_for(status: RunStatus) -> None:
+    """`run status`'s exit code for a run: unreachable node 3, ended and not cleanly 1, else 0."""
+    if any(n.state == UNREACHABLE for n in status.nodes):
+        raise typer.Exit(EXIT_UNREACHABLE)
+    if not status.running and not status.finished_ok:
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _follow(executor: Executor, interval: float = 1.0) -> RunStatus:
@@ -115,21 +125,19 @@ def status_cmd(run_dir: Path = RUN, inventory: str | None = INVENTORY, as_json: 
         emit_json({"nodes": [asdict(n) for n in status.nodes], "culprits": status.culprits()})
     else:
         _print_status(status)
-    if any(n.state == UNREACHABLE for n in status.nodes):
-        raise typer.Exit(EXIT_UNREACHABLE)
-    if not status.running and not status.finished_ok:
-        raise typer.Exit(EXIT_FAILED)
+    _exit_for(status)
 
 
 @app.command("logs", epilog="Example: stepdeploy run logs runs/r1 --follow")
 def logs(run_dir: Path = RUN, inventory: str | None = INVENTORY,
          tail: int = typer.Option(50, "--tail", min=1, help="Lines per node."),
-         follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the run ends."),
+         follow: bool = typer.Option(False, "--follow", "-f",
+                                     help="Stream until the run ends; exit as `run status` would then."),
          insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Every node's log, each line prefixed with its node (the workload adds [rank R])."""
     with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
         if follow:
-            _follow(executor)
+            _exit_for(_follow(executor))
             return
         for lines in executor.logs(tail).values():
             for line in lines:

@@ -48,7 +48,7 @@ def rendered(tmp_path: Path, run_id: str, iterations: int, **opts: object) -> Pa
     remote.mkdir(mode=0o700, exist_ok=True)
     options = RenderOptions(run_id=run_id, iterations=iterations, seq_length=64, global_batch_size=8, lr=1e-2,
                             pg_timeout_s=PG_TIMEOUT, save_interval=10, nproc_per_node=2, remote_dir=str(remote),
-                            python=sys.executable, **opts)  # type: ignore[arg-type]
+                            **({"python": sys.executable} | opts))  # type: ignore[arg-type]
     out = tmp_path / run_id
     write_run(build(str(inventory(tmp_path)), "tiny-dense", "mbs=2", options), out)
     return out
@@ -128,6 +128,18 @@ def test_killed_rank_is_named_and_its_peer_exits_within_the_timeout(tmp_path: Pa
         stops = executor.stop(grace_s=5)
         assert all(s.ok for s in stops), stops
         no_run_processes(executor)
+
+
+def test_follow_exits_with_the_runs_outcome(tmp_path: Path) -> None:
+    """`run launch --follow` (and `run logs --follow`) end as `run status` would: a run whose ranks never start (the
+    node's Python is /bin/false) fails, so `run launch --follow && next` does not go on (it exited 0 before)."""
+    run = rendered(tmp_path, "local-false", iterations=3, python="/bin/false")
+    launched = cli("run", "launch", str(run), "--follow")
+    assert launched.returncode == 1, launched.stdout + launched.stderr
+    assert "box: exited (exit 1)" in launched.stdout, launched.stdout
+    followed = cli("run", "logs", str(run), "--follow")
+    assert followed.returncode == 1, followed.stdout + followed.stderr
+    assert cli("run", "status", str(run)).returncode == 1
 
 
 def test_executor_local_runs_here_an_inventory_host_reached_over_ssh_otherwise(tmp_path: Path) -> None:
