@@ -87,6 +87,22 @@ def soak_gates(model: str) -> list[str]:
     return ["no_unrecovered_failure", "loss_finite", *names]
 
 
+# proxy-0.7b-moe on an H200 (docs/benchmarks.md, calls AJ, AM, AN): a fresh MoE model's routers collapse in its first
+# steps and come back under the expert_load gate as the loss leaves the unigram plateau, by steps 40-80; its soak of
+# 39 iterations failed the gate (the median after the warm-up), soaks of 255-260 passed it
+MOE_SETTLE_ITERATIONS = 200
+
+
+def expert_load_room(model: str, expected: int) -> str | None:
+    """A warning when an MoE soak's expected iterations leave the expert_load gate too little room (None: enough,
+    or no such gate)."""
+    if "expert_load" not in soak_gates(model) or expected >= MOE_SETTLE_ITERATIONS:
+        return None
+    return (f"the soak's ~{expected:,} iterations may end before a fresh MoE model's routers recover from their "
+            "start-up collapse (proxy-0.7b-moe on an H200: by steps 40-80), and expert_load judges the median after "
+            f"the warm-up: a soak of {MOE_SETTLE_ITERATIONS}+ iterations gives it room")
+
+
 class Soak:
     name = "soak"
 
@@ -112,6 +128,10 @@ class Soak:
                 "gates_on_failure": list(FAILURE_GATES), "max_stalled_restarts": config.soak_max_stalled_restarts}
         if config.checkpoint_interval == AUTO:
             plan |= _auto_interval(cluster, config)
+        if "expert_load" in plan["gates"]:
+            step_s, _ = checkpoint_interval.planned_step(cluster, config)
+            plan["expert_load_warning"] = expert_load_room(
+                config.model, soak_schedule(config.soak_duration_s, step_s, "").expected)
         return plan
 
 
@@ -275,10 +295,11 @@ def _soak_dir(r: AttemptService, rung: Rung) -> Path:
         schedule = soak_schedule(r.config.soak_duration_s, *checkpoint_interval.step_estimate(r),
                                  startup_s=checkpoint_interval.startup_estimate(r))
         startup = f" after a start-up of {schedule.startup_s:.0f} s" if schedule.startup_s else ""
+        warning = expert_load_room(r.config.model, schedule.expected)
         _event(r, "schedule", f"soak schedule: warm-up {schedule.warmup} iteration(s), cosine decay to a tenth of "
                f"the peak learning rate at iteration {schedule.decay} (the {schedule.expected:,} iterations "
-               f"{r.config.soak_duration_s:.0f} s take at {schedule.step_s:.3f} s a step{startup}, {schedule.source})",
-               schedule.to_json())
+               f"{r.config.soak_duration_s:.0f} s take at {schedule.step_s:.3f} s a step{startup}, {schedule.source})"
+               + (f"; {warning}" if warning else ""), schedule.to_json() | {"expert_load_warning": warning})
         opts = r.render_options("soak", rung, SOAK_ITERATIONS, f"{r.run_id}-soak", (schedule.warmup, schedule.decay),
                                 _save_interval(r, schedule))
         r.render(rung, opts, local)

@@ -95,6 +95,17 @@ def test_a_killed_rank_is_detected_stopped_and_restarted_from_its_checkpoint(soa
     _nothing_running(soak)
 
 
+def test_the_schedule_event_warns_an_moe_soak_too_short_for_expert_load(tmp_path: Path, soak: Soak) -> None:
+    (tmp_path / "moe").mkdir()
+    moe = _soak(tmp_path / "moe", model="tiny-moe")  # 60 s at the assumed 1.0 s a step: ~60 iterations
+    moe.run()
+    schedule = moe.events("schedule")[0]
+    assert schedule["data"]["expert_load_warning"].startswith("the soak's ~60 iterations may end before")
+    assert schedule["message"].endswith("gives it room")
+    soak.run()
+    assert soak.events("schedule")[0]["data"]["expert_load_warning"] is None  # tiny-dense: no expert_load gate
+
+
 def test_a_hung_rank_is_detected_by_its_heartbeat_timeout(soak: Soak) -> None:
     soak.nodes.at(start=1, after_s=20, hang=0)
     assert soak.run() is None
