@@ -87,6 +87,8 @@ class Saver:
             content = checkpoint_metadata(optimizer)
             seal = functools.partial(self._seal, staging, iteration, content)
             if self.asynchronous:
+                if self.persistent:  # its host copy of a host tensor is the tensor itself: copy those now
+                    megatron_writer.snapshot_host_tensors(state)
                 request = dist_checkpointing.save(state, str(staging), content_metadata=content,
                                                   async_sharded_save=True, **_async_options(dist_checkpointing))
                 request.add_finalize_fn(seal)

@@ -242,3 +242,27 @@ def writer_died(rank: int, files: Any, process: Any, during: str) -> None:
         with contextlib.suppress(Exception):
             child.kill()
     os._exit(WRITER_DIED_EXIT)
+
+
+def snapshot_host_tensors(state: Any) -> int:
+    """Copy, in place of the originals, the host-memory tensors of a sharded state dict handed to the persistent
+    writer; returns how many. megatron-core's worker makes its "host copy" with tensor.to("cpu"), which for a
+    tensor already in host memory is the tensor itself, shared with the rank through torch.multiprocessing: the
+    next optimizer step would change it while it is written (a torn checkpoint; the forked writer copies on write
+    instead). The host tensors: an offloaded optimizer's master weights and moments, every tensor of a CPU run.
+    Applies megatron's factories first (save() would, on the same dict), so the tensors they make are copied too."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(state)
+    copied = 0
+
+    def copy(item: Any) -> Any:
+        nonlocal copied
+        if isinstance(item, ShardedTensor) and item.data is not None and item.data.device.type == "cpu":
+            item.data = item.data.clone()
+            copied += 1
+        return item
+
+    dict_list_map_inplace(copy, state)
+    return copied
