@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One H200 box without sshd, driven through the local executor (issue 19). Node side as the python_env role would
 # make it; the controller is this checkout on PYTHONPATH (bench/gpu_box.sh). Then: preflight of the box; the dense
-# proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after; with STEPS naming moe, the
+# proxy's soak with a kill (`rollout run --executor local`), and nothing of it left after; with densedata, the same
+# soak on data prepared from this checkout's docs (`data prepare`, GPTDataset); with STEPS naming moe, the
 # Step-3.5-Flash slice's rollout (warmup, scale, soak with checkpoints and a kill) on prepared data; with moeproxy,
 # the MoE proxy's rollout (warmup, soak) on the synthetic stream; with firststep, the dense rollout with every
 # start's first step profiled; with moewarm, the MoE proxy's routers under a warm-up from near zero; with moevariants,
 # the MoE proxy under megatron-core options (MOE_VARIANTS). Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout moe moeproxy firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout densedata moe moeproxy firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -45,6 +46,13 @@ fi
 if [[ $steps == *" rollout "* ]]; then
 local_rollout local-dense 300 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 100s \
     --checkpoint-interval 40 --inject kill:rank=last@65s
+fi
+
+if [[ $steps == *" densedata "* ]]; then
+# the dense proxy's soak with a kill on prepared data (issue 20: `data prepare`, read by megatron-core's GPTDataset)
+python3 -m stepdeploy data prepare README.md docs --out /tmp/corpus --json > "$keep/data.json" 2> "$keep/data.log"
+local_rollout local-densedata 300 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \
+    --soak-duration 100s --checkpoint-interval 40 --inject kill:rank=last@65s --data /tmp/corpus
 fi
 
 if [[ $steps == *" moe "* ]]; then
@@ -131,6 +139,6 @@ done
 fi
 
 runs=()
-for run in local-dense local-moe local-moeproxy local-first local-moewarm; do [ -d "/tmp/$run" ] && runs+=("$run"); done
+for run in local-dense local-densedata local-moe local-moeproxy local-first local-moewarm; do [ -d "/tmp/$run" ] && runs+=("$run"); done
 for dir in /tmp/local-moe-*; do [ -d "$dir" ] && runs+=("${dir#/tmp/}"); done
 tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out "${runs[@]}"

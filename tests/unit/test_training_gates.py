@@ -3,8 +3,10 @@ like and fails what the issue saw (a flat loss from a ~0 learning rate) or what 
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 
 from stepdeploy.rollout.attempt import metric_rows
 from stepdeploy.rollout.gates import Thresholds
@@ -18,6 +20,7 @@ from stepdeploy.rollout.training_gates import (
 )
 
 T = Thresholds()
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "soak"
 
 
 def run(losses: list[float], **extra: list) -> list[dict]:
@@ -64,6 +67,19 @@ def test_a_spike_above_the_running_median_is_found_and_noise_is_not() -> None:
     assert not spiked.passed and [s["iteration"] for s in spiked.measured["spikes"]] == [81]
     # a spike inside the warm-up is not judged
     assert loss_spikes(run(losses), warmup=100, t=T).passed
+
+
+def test_a_noisy_run_is_judged_against_its_noise_not_a_quiet_stretch_of_it() -> None:
+    # Recorded on the simulated cluster (tiny-dense, 256 tokens a step: noise ~0.17 around 6.2): eight of the
+    # twenty losses before iteration 284 lay within 0.07 of each other, and a MAD of those twenty alone read
+    # 6.530 vs 6.173 as z = 6 -- a spike that was noise. The run's noise comes from its step-to-step changes.
+    recorded = json.loads((FIXTURES / "tiny_dense_kill_losses.json").read_text())
+    losses, warmup = recorded["loss"], recorded["warmup"]
+    assert loss_spikes(run(losses), warmup=warmup, t=T).passed
+    spiked = list(losses)
+    spiked[199] *= 1.3  # a real spike in the same noise: 30 %, z ~ 11
+    bad = loss_spikes(run(spiked), warmup=warmup, t=T)
+    assert not bad.passed and [s["iteration"] for s in bad.measured["spikes"]] == [200]
 
 
 # The gradient norms of the Step-3.5-Flash slice's soak on one H200 (H200 call P, docs/benchmarks.md): from a
