@@ -79,8 +79,8 @@ def loss_spikes(metrics: Metrics, warmup: int, t: Thresholds) -> GateVerdict:
     # against comes from the step-to-step changes of up to spike_scale_window iterations before it (their MAD over
     # sqrt 2: a trend shifts every change alike and drops out). A MAD of the spike_window losses alone is a noisy
     # estimate: eight of twenty losses of the simulated cluster's tiny model (256 tokens a step, noise ~0.17) fell
-    # within 0.07 of each other, and an ordinary 2-sigma step read as z = 6 (iteration 284, 6.530 vs 6.173). On
-    # the H200's MoE proxy soaks the changes' scale finds more of the spikes planted in them than either.
+    # within 0.07 of each other, and an ordinary 2-sigma step read as z = 6 (iteration 284, 6.530 vs 6.173). In
+    # the H200's 300 s MoE proxy soak it finds more planted spikes than that did: x1.2 at 162 of 215 places, not 124.
     rows = [m for m in kept(metrics) if _finite(m.get("loss"))]
     losses = [m["loss"] for m in rows]
     spikes: list[dict[str, float]] = []

@@ -77,7 +77,7 @@ def test_a_noisy_run_is_judged_against_its_noise_not_a_quiet_stretch_of_it() -> 
     losses, warmup = recorded["loss"], recorded["warmup"]
     assert loss_spikes(run(losses), warmup=warmup, t=T).passed
     spiked = list(losses)
-    spiked[199] *= 1.3  # a real spike in the same noise: 30 %, z ~ 11
+    spiked[199] *= 1.3  # a real spike in the same noise: 30 %, z ~ 10
     bad = loss_spikes(run(spiked), warmup=warmup, t=T)
     assert not bad.passed and [s["iteration"] for s in bad.measured["spikes"]] == [200]
 
