@@ -43,23 +43,27 @@ timeout 150 python3 -m stepdeploy preflight "$inv" --json > "$keep/preflight.jso
 echo "preflight exit $?"
 fi
 
+prepare_corpus() {  # this checkout's docs as byte-level tokens in /tmp/corpus (megatron-core's indexed format)
+    python3 -m stepdeploy data prepare README.md docs --out /tmp/corpus --json > "$keep/data.json" 2> "$keep/data.log"
+}
+
+dense_soak=(-m proxy-0.7b-dense --stages "warmup,soak" --warmup-iterations 6 --soak-duration 100s
+            --checkpoint-interval 40 --inject kill:rank=last@65s)
 if [[ $steps == *" rollout "* ]]; then
-local_rollout local-dense 300 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 100s \
-    --checkpoint-interval 40 --inject kill:rank=last@65s
+local_rollout local-dense 300 "${dense_soak[@]}"
 fi
 
 if [[ $steps == *" densedata "* ]]; then
-# the dense proxy's soak with a kill on prepared data (issue 20: `data prepare`, read by megatron-core's GPTDataset)
-python3 -m stepdeploy data prepare README.md docs --out /tmp/corpus --json > "$keep/data.json" 2> "$keep/data.log"
-local_rollout local-densedata 300 -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \
-    --soak-duration 100s --checkpoint-interval 40 --inject kill:rank=last@65s --data /tmp/corpus
+# the same soak on prepared data (issue 20: `data prepare`, read by megatron-core's GPTDataset)
+prepare_corpus
+local_rollout local-densedata 300 "${dense_soak[@]}" --data /tmp/corpus
 fi
 
 if [[ $steps == *" moe "* ]]; then
 # the Step-3.5-Flash slice (an MoE target: the MoE proxy in its ladder) on prepared data, a checkpoint at iteration
 # 30 of the soak (the MoE save's stall, issue 21) and a kill after it. A checkpoint is ~48 GB: the box's /dev/shm
 # (half its 128 GiB) holds one, so one is kept and the soak ends before the restarted run's next save
-python3 -m stepdeploy data prepare README.md docs --out /tmp/corpus --json > "$keep/data.json" 2> "$keep/data.log"
+prepare_corpus
 rm -rf /tmp/local-moe /var/lib/stepdeploy/runs/local-moe-*  # before df: the room without the last call's runs
 df -h /dev/shm | tee "$keep/shm.txt"
 local_rollout local-moe "${MOE_TIMEOUT:-450}" -m step-3.5-flash-slice-1gpu --stages warmup,scale,soak \

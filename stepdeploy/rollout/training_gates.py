@@ -19,6 +19,7 @@ last run), like rollout/gates.py's.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -83,13 +84,15 @@ def loss_spikes(metrics: Metrics, warmup: int, t: Thresholds) -> GateVerdict:
     # the H200's 300 s MoE proxy soak it finds more planted spikes than that did: x1.2 at 162 of 215 places, not 124.
     rows = [m for m in kept(metrics) if _finite(m.get("loss"))]
     losses = [m["loss"] for m in rows]
+    diffs = [b - a for a, b in itertools.pairwise(losses)]  # diffs[k]: the change from row k to row k + 1
     spikes: list[dict[str, float]] = []
     for i, m in enumerate(rows):
-        before = losses[max(0, i - t.spike_window):i]
-        changes = [losses[j] - losses[j - 1] for j in range(max(1, i - t.spike_scale_window), i)]
-        if m["iteration"] <= warmup or len(before) < t.spike_window or len(changes) < t.spike_window:
+        if m["iteration"] <= warmup:
             continue
-        median = statistics.median(before)
+        changes = diffs[max(0, i - 1 - t.spike_scale_window):max(0, i - 1)]
+        if len(changes) < t.spike_window:  # so spike_window losses before it, too
+            continue
+        median = statistics.median(losses[i - t.spike_window:i])
         centre = statistics.median(changes)
         noise = statistics.median(abs(c - centre) for c in changes) * 1.4826 / math.sqrt(2)
         z = (m["loss"] - median) / noise if noise > 0 else (math.inf if m["loss"] > median else 0.0)
