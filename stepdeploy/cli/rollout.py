@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -22,7 +21,15 @@ from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
 from stepdeploy.remote import registry
 from stepdeploy.render.options import RUN_ID, parse_env
 from stepdeploy.rollout import gates, stages
-from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, StageStopped, parse_checkpoint_interval
+from stepdeploy.rollout.config import (
+    AUTO,
+    RolloutConfig,
+    StageFailed,
+    StageStopped,
+    parse_checkpoint_interval,
+    parse_duration,
+    parse_mtbf,
+)
 from stepdeploy.rollout.inject import parse_all as parse_injections
 from stepdeploy.rollout.stages import parse_stages
 
@@ -34,24 +41,6 @@ INSECURE = insecure_option()
 # A rollout's name prefixes every attempt's run id (`<name>-scale-target-all-nodes-a12`), which render takes
 # up to 64 characters: the name keeps 36.
 MAX_RUN_NAME = 36
-_DURATION = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)(s|m|h|d)?")  # fullmatch: no trailing newline
-
-
-def parse_duration(text: str, option: str | None = None) -> float:
-    match = _DURATION.fullmatch(text.strip())
-    if not match:
-        raise BadInput(f"{option + ' ' if option else ''}duration {text!r} is not like 90s, 5m, 72h or 3d")
-    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2) or "s"]
-
-
-def parse_mtbf(text: str | None) -> float | None:
-    """`--mtbf DURATION`: the job's mean time between failures (None: not given)."""
-    if text is None:
-        return None
-    seconds = parse_duration(text, "--mtbf")
-    if seconds <= 0:
-        raise BadInput("--mtbf must be longer than 0 s")
-    return seconds
 
 
 @app.command("run", epilog="Example: stepdeploy rollout run -i inventory/dgx.ini --model step-3.5-flash "
@@ -61,6 +50,9 @@ def run_cmd(
     model: str = typer.Option(..., "--model", "-m", help="Target catalog model."),
     stages: str = typer.Option("warmup,scale,soak", "--stages", help="Comma-separated: warmup,scale,soak."),
     soak_duration: str = typer.Option("72h", "--soak-duration", help="e.g. 90s, 10m, 72h."),
+    soak_iterations: int | None = typer.Option(None, "--soak-iterations", min=2, help="Soak: end after N "
+                                               "iterations, the same on any machine (--soak-duration then only "
+                                               "limits it)."),
     checkpoint_interval: str = typer.Option("20", "--checkpoint-interval", help="Soak: checkpoint every N steps, or "
                                             "auto (Young/Daly's interval from the measured save stall and --mtbf)."),
     mtbf: str | None = typer.Option(None, "--mtbf", help="With --checkpoint-interval auto: the job's mean time "
@@ -100,7 +92,7 @@ def run_cmd(
     """Start a rollout. Exit 0 all stages passed, 1 a gate failed (resume with `rollout resume RUN`)."""
     config = RolloutConfig(inventory=str(Path(inventory).resolve()), model=model, stages=parse_stages(stages),
                            layout=layout, warmup_iterations=warmup_iterations, scale_iterations=scale_iterations,
-                           soak_duration_s=parse_duration(soak_duration),
+                           soak_duration_s=parse_duration(soak_duration), soak_iterations=soak_iterations,
                            checkpoint_interval=parse_checkpoint_interval(checkpoint_interval), mtbf_s=parse_mtbf(mtbf),
                            keep_checkpoints=keep_checkpoints, pg_timeout_s=pg_timeout, seq_length=seq,
                            global_batch_size=gbs, executor=executor, inject=tuple(inject),

@@ -5,6 +5,7 @@ Kept free of heavy imports: the CLI reads it without loading the SSH and renderi
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Any, ClassVar, Literal
@@ -40,6 +41,9 @@ class RolloutConfig:
     warmup_iterations: int = 10
     scale_iterations: int = 30
     soak_duration_s: float = 72 * 3600.0
+    # soak: end after this many iterations (restarts continue to it), its schedule sized on them rather than on the
+    # step time the warm-up measured; the duration then only limits it. None: the soak ends by its duration.
+    soak_iterations: int | None = None
     checkpoint_interval: int | Literal["auto"] = 20  # soak: iterations between saves, or AUTO (checkpoint_interval.py)
     keep_checkpoints: int = 2  # the newest K committed checkpoints stay on the nodes (retention)
     mtbf_s: float | None = None  # soak, auto interval: the job's mean time between failures; None: Llama 3's rate
@@ -91,6 +95,26 @@ def _validator() -> Any:
     from pydantic import TypeAdapter
 
     return TypeAdapter(RolloutConfig)
+_DURATION = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)(s|m|h|d)?")  # fullmatch: no trailing newline
+
+
+def parse_duration(text: str, option: str | None = None) -> float:
+    match = _DURATION.fullmatch(text.strip())
+    if not match:
+        raise BadInput(f"{option + ' ' if option else ''}duration {text!r} is not like 90s, 5m, 72h or 3d")
+    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2) or "s"]
+
+
+def parse_mtbf(text: str | None) -> float | None:
+    """`--mtbf DURATION`: the job's mean time between failures (None: not given)."""
+    if text is None:
+        return None
+    seconds = parse_duration(text, "--mtbf")
+    if seconds <= 0:
+        raise BadInput("--mtbf must be longer than 0 s")
+    return seconds
+
+
 def parse_checkpoint_interval(text: str) -> int | str:
     """`--checkpoint-interval`: a number of iterations (at least 1) or `auto`."""
     value = text.strip().lower()

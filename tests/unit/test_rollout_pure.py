@@ -209,3 +209,15 @@ def test_the_soak_schedule_is_sized_from_its_expected_iterations() -> None:
     assert (started.expected, started.warmup, started.decay) == (201, 10, 201) and started.to_json()["startup_s"] == 20
     cold = soak_schedule(150.0, 0.645, "measured in the warm-up", startup_s=120.0)
     assert cold.expected == int(75.0 / 0.645) and cold.startup_s == 75.0
+
+
+def test_a_soak_of_fixed_iterations_has_one_schedule_whatever_the_step_time() -> None:
+    """--soak-iterations (the demo's soak): a fast and a slow machine train the same iterations through the same
+    learning-rate schedule, where a timed soak's schedule follows the step time."""
+    from stepdeploy.rollout.stages.soak import soak_schedule
+
+    steps = (0.01, 0.3, 2.0, 30.0)
+    fixed = {(s.expected, s.warmup, s.decay) for s in
+             (soak_schedule(30.0, step_s, "measured", startup_s=10.0, iterations=120) for step_s in steps)}
+    assert fixed == {(120, 6, 120)}
+    assert len({soak_schedule(30.0, step_s, "measured").expected for step_s in steps}) == len(steps)

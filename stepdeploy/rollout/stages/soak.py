@@ -38,7 +38,7 @@ from stepdeploy.rollout.service import AttemptService
 from stepdeploy.rollout.stages import needs
 from stepdeploy.rollout.stages.soak_recovery import CLEAR_RANK_FILES, event, recover
 
-SOAK_ITERATIONS = 10**9  # the soak ends by time, not by count
+SOAK_ITERATIONS = 10**9  # the soak ends by time, not by count (unless --soak-iterations gives one)
 
 
 @dataclass
@@ -121,6 +121,7 @@ class Soak:
 
     def plan(self, config: RolloutConfig, cluster: Cluster) -> dict[str, Any]:
         plan = {**target_rung(cluster, config.model).as_dict(), "duration_s": config.soak_duration_s,
+                "iterations": config.soak_iterations,
                 "checkpoint_interval": config.checkpoint_interval, "max_restarts": config.soak_max_restarts,
                 "keep_checkpoints": config.keep_checkpoints, "heartbeat_timeout_s": config.heartbeat_timeout_s,
                 "monitor_interval_s": config.monitor_interval_s, "gates": soak_gates(config.model),
@@ -131,7 +132,8 @@ class Soak:
         if "expert_load" in plan["gates"]:
             step_s, _ = checkpoint_interval.planned_step(cluster, config)
             plan["expert_load_warning"] = expert_load_room(
-                config.model, soak_schedule(config.soak_duration_s, step_s, "").expected)
+                config.model, soak_schedule(config.soak_duration_s, step_s, "", iterations=config.soak_iterations
+                                            ).expected)
         return plan
 
 
@@ -142,7 +144,8 @@ def _declared(r: AttemptService) -> list[str]:
 def _auto_interval(cluster: Cluster, config: RolloutConfig) -> dict[str, Any]:
     """The interval `auto` gives before anything is measured; the soak resolves it again when it starts."""
     interval = checkpoint_interval.for_dry_run(cluster, config)
-    expected = soak_schedule(config.soak_duration_s, interval.step_s, interval.step_source).expected
+    expected = soak_schedule(config.soak_duration_s, interval.step_s, interval.step_source,
+                             iterations=config.soak_iterations).expected
     return {"checkpoint_interval": interval.iterations,
             "checkpoint_interval_auto": {**interval.to_json(), "describe": interval.describe(),
                                          "warning": checkpoint_interval.longer_than_the_soak(interval, expected),
@@ -192,10 +195,12 @@ def _one_attempt(r: AttemptService, rung: Rung, local: Path, attempt: int, start
         if not alive:
             needs.verify(r, executor, Manifest.load(local), "soak", rung.name)
             r.launch(executor, local, f"soak/{rung.name}", f"soak attempt {attempt}")
-        status, why = r.follow(executor, "soak", rung, None, deadline, check=watch.check)
+        status, why = r.follow(executor, "soak", rung, r.config.soak_iterations, deadline, check=watch.check)
         metrics = r.collect(executor, local, attempt, started)
-        if why == "deadline":
-            r.ledger.finish_attempt(attempt, "passed", _detail(metrics, "soak duration reached"))
+        trained = why == "exited" and status.finished_ok and r.config.soak_iterations is not None
+        if why == "deadline" or trained:
+            done = f"{r.config.soak_iterations:,} iterations trained" if trained else "soak duration reached"
+            r.ledger.finish_attempt(attempt, "passed", _detail(metrics, done))
             _final_gates(r, rung.name, restarts, local)
             return None
         if why == "stop requested":
@@ -292,16 +297,19 @@ def _soak_dir(r: AttemptService, rung: Rung) -> Path:
         break  # gone or damaged: render it again below
     local = r.run_dir / "attempts" / "soak-target"
     if not (local / "manifest.json").exists():
+        fixed = r.config.soak_iterations
         schedule = soak_schedule(r.config.soak_duration_s, *checkpoint_interval.step_estimate(r),
-                                 startup_s=checkpoint_interval.startup_estimate(r))
+                                 startup_s=checkpoint_interval.startup_estimate(r), iterations=fixed)
         startup = f" after a start-up of {schedule.startup_s:.0f} s" if schedule.startup_s else ""
         warning = expert_load_room(r.config.model, schedule.expected)
+        sized = (f"the {fixed:,} iterations --soak-iterations asks for" if fixed else
+                 f"the {schedule.expected:,} iterations {r.config.soak_duration_s:.0f} s take at "
+                 f"{schedule.step_s:.3f} s a step{startup}, {schedule.source}")
         _event(r, "schedule", f"soak schedule: warm-up {schedule.warmup} iteration(s), cosine decay to a tenth of "
-               f"the peak learning rate at iteration {schedule.decay} (the {schedule.expected:,} iterations "
-               f"{r.config.soak_duration_s:.0f} s take at {schedule.step_s:.3f} s a step{startup}, {schedule.source})"
-               + (f"; {warning}" if warning else ""), schedule.to_json() | {"expert_load_warning": warning})
-        opts = r.render_options("soak", rung, SOAK_ITERATIONS, f"{r.run_id}-soak", (schedule.warmup, schedule.decay),
-                                _save_interval(r, schedule))
+               f"the peak learning rate at iteration {schedule.decay} ({sized})" + (f"; {warning}" if warning else ""),
+               schedule.to_json() | {"expert_load_warning": warning})
+        opts = r.render_options("soak", rung, fixed or SOAK_ITERATIONS, f"{r.run_id}-soak",
+                                (schedule.warmup, schedule.decay), _save_interval(r, schedule))
         r.render(rung, opts, local)
     return local
 
@@ -346,15 +354,19 @@ class SoakSchedule:
 
 
 MAX_WARMUP = 2000  # iterations: megatron's usual warm-up for long pre-training runs
+FIXED_SOURCE = "fixed by --soak-iterations"
 
 
-def soak_schedule(duration_s: float, step_s: float, source: str, startup_s: float = 0.0) -> SoakSchedule:
-    """Warm-up 5 % of the expected iterations (at least 1, at most MAX_WARMUP), then the cosine decay over the rest:
-    the soak trains as a run of its length would, instead of crawling through a warm-up sized for the
-    SOAK_ITERATIONS it is rendered with (it ends by time). The expected iterations are what the duration less the
-    start-up (as the warm-up measured it; at most half the duration: the warm-up's start can be a cold one) holds:
-    a 20-minute soak of the dense proxy expected 1,956 iterations without it and counted 1,699 (its two starts took
-    35 s, the rest went to the restart's redone iterations and to saves)."""
+def soak_schedule(duration_s: float, step_s: float, source: str, startup_s: float = 0.0,
+                  iterations: int | None = None) -> SoakSchedule:
+    """Warm-up 5 % of the expected iterations (1 to MAX_WARMUP), then the cosine decay over the rest: the soak trains
+    as a run of its length would. The expected iterations are `iterations` (--soak-iterations: the same on any
+    machine), else what the duration less the start-up (as the warm-up measured it; at most half the duration: the
+    warm-up's start can be a cold one) holds: a 20-minute soak of the dense proxy expected 1,956 iterations without
+    it and counted 1,699 (its two starts took 35 s, the rest went to redone iterations and to saves)."""
+    if iterations is not None:
+        warmup = min(MAX_WARMUP, max(1, iterations // 20))
+        return SoakSchedule(step_s, FIXED_SOURCE, iterations, warmup, max(iterations, warmup + 1))
     startup = min(max(0.0, startup_s), duration_s / 2)
     expected = max(2, int((duration_s - startup) / max(step_s, 1e-3)))
     warmup = min(MAX_WARMUP, max(1, expected // 20))

@@ -287,3 +287,19 @@ def test_a_stop_during_a_warm_up_ends_it_stopped_not_failed_by_its_gate(tmp_path
         s.rollout().run()
     assert s.attempts() == ["stopped"] and s.stage() == "stopped" and s.ledger.verdicts("r") == []
     _nothing_running(s)
+
+
+def test_a_soak_of_fixed_iterations_ends_when_they_are_trained_across_a_restart(tmp_path: Path) -> None:
+    s = _soak(tmp_path, soak_iterations=40, soak_duration_s=3600.0)  # 40 steps of 1 s: well inside the hour
+    s.nodes.at(start=1, after_s=20, kill=0)
+    began = s.clock.time()
+    assert s.run() is None
+    assert s.attempts() == ["failed", "passed"] and s.stage() == "passed"
+    assert [st.resumed_from for st in s.nodes.starts] == [0, 15]  # the restart goes on to 40 from its checkpoint
+    assert s.ledger.attempts("r")[-1]["detail"]["why"] == "40 iterations trained"
+    assert s.clock.time() - began < 120  # it did not wait for the hour
+    schedule = s.events("schedule")[0]["data"]
+    assert (schedule["expected_iterations"], schedule["warmup_iterations"], schedule["decay_iterations"]) == (40, 2, 40)
+    assert schedule["source"] == "fixed by --soak-iterations"
+    assert {g["gate"] for g in s.ledger.verdicts("r") if g["passed"]} >= {"loss_finite", "loss_trend"}
+    _nothing_running(s)
