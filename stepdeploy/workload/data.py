@@ -6,7 +6,9 @@
   writes, shipped inside the run directory): the megatron engine reads it through megatron-core's own GPTDataset
   (BlendedMegatronDatasetBuilder; its shuffled sample index built in memory on every rank, since nodes share no
   filesystem); the torch engine, whose nodes have no megatron-core, through indexed.py's reader of the same files,
-  in order.
+  in a seeded random order (Shuffled) as GPTDataset's: read in order, a corpus's unusual stretch (a diagram of
+  box-drawing bytes in docs/architecture.md) comes whole, in consecutive batches whose loss the soak's spike gate
+  rightly calls spikes.
 
 Every source answers `micro_batch(iteration, micro)` with [micro-batch size, seq + 1] tokens, a function of the
 iteration, the micro-batch and the DP rank alone: a resumed run sees what the interrupted one would have seen.
@@ -55,6 +57,23 @@ class IndexedSource:
         return torch.stack([torch.as_tensor(row, dtype=torch.long) for row in rows]).to(self.device)
 
 
+class Shuffled:
+    """A dataset's samples in one seeded random order (a permutation of them, as megatron's GPTDataset shuffles its
+    sample index; every epoch repeats it): the same order on every rank and after a resume."""
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        import numpy as np
+
+        self.dataset = dataset
+        self.order = np.random.default_rng(seed).permutation(len(dataset))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[int(self.order[index])]
+
+
 def dataset_prefix(cfg: dict[str, Any]) -> Path | None:
     """The indexed dataset's path prefix (without .bin/.idx), relative paths taken from workload.json's directory
     (train.py records it as `config_dir`)."""
@@ -82,7 +101,7 @@ def source_for(cfg: dict[str, Any], dp_rank: int, micro_batches: int, device: st
     else:
         import indexed
 
-        dataset = indexed.Samples(indexed.IndexedTokens(prefix), t["seq_length"] + 1)
+        dataset = Shuffled(indexed.Samples(indexed.IndexedTokens(prefix), t["seq_length"] + 1), t["seed"])
     return IndexedSource(dataset, dp_rank, t["micro_batch_size"], micro_batches, t["global_batch_size"], device)
 
 
