@@ -103,7 +103,10 @@ def run_cmd(
                                                        max_step_time_s=max_step_time))
     parse_injections(config.inject)  # a bad --inject exits 2 before anything starts
     if data is not None:
-        corpus.load(data)  # a missing or changed dataset exits 2 before anything starts
+        from stepdeploy.catalog import load_model
+        from stepdeploy.render.run import check_dataset
+
+        check_dataset(corpus.load(data), load_model(model))  # missing, changed or too wide for the model: exit 2
     if config.heartbeat_timeout_s <= 0 or config.monitor_interval_s <= 0:
         raise BadInput("--heartbeat-timeout and --monitor-interval must be longer than 0 s")
     registry.check_kind(executor)

@@ -198,9 +198,17 @@ def _origin(item: RenderedFile) -> str:
 
 
 def check_dataset(dataset: Corpus, spec: ModelSpec) -> None:
-    if dataset.vocab > spec.vocab_size:
-        raise BadInput(f"{dataset.prefix}: its tokenizer has {dataset.vocab} ids, more than {spec.name}'s vocabulary "
-                       f"of {spec.vocab_size}")
+    """The dataset's ids fit the model: its largest id, and its tokenizer's vocabulary padded to a multiple of 128
+    as Megatron pads it (make_vocab_size_divisible_by), are within the catalog's vocab_size."""
+    most = spec.vocab_size // 128 * 128
+    hint = (f"prepare it with a smaller tokenizer (stepdeploy data prepare FILES --train-tokenizer {most} --out "
+            "PREFIX), or give a model with a larger vocab_size")
+    if dataset.max_id >= spec.vocab_size:
+        raise BadInput(f"{dataset.prefix}: its largest token id {dataset.max_id} does not fit {spec.name}'s "
+                       f"vocabulary of {spec.vocab_size}", hint=hint)
+    if dataset.padded_vocab > spec.vocab_size:
+        raise BadInput(f"{dataset.prefix}: its tokenizer's {dataset.vocab} ids, padded to {dataset.padded_vocab} as "
+                       f"Megatron pads them, do not fit {spec.name}'s vocabulary of {spec.vocab_size}", hint=hint)
 
 
 def _facts_entry(facts: NodeFacts | None) -> dict[str, Any]:

@@ -12,8 +12,8 @@ megatron-core's own IndexedDataset and GPTDataset read these files (tests/unit/w
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -24,38 +24,41 @@ DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
+UINT16_VOCAB = 65500  # megatron-core's DType.optimal_dtype: uint16 below this many ids, else int32
+
+
 def token_dtype(vocab: int) -> np.dtype:
-    """megatron's choice: uint16 while every id fits, else int32."""
-    return np.dtype(np.uint16) if vocab <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
+    """megatron's choice of the token dtype for a vocabulary of `vocab` ids."""
+    return np.dtype(np.uint16) if vocab < UINT16_VOCAB else np.dtype(np.int32)
 
 
-def write(prefix: Path, documents: Iterable[np.ndarray], vocab: int) -> tuple[int, int]:
-    """PREFIX.bin and PREFIX.idx from token arrays, one document each; returns (documents, tokens). Written to
-    temporary names and renamed, the .idx last: a reader sees a whole pair or none."""
-    dtype = token_dtype(vocab)
-    lengths: list[int] = []
-    bin_tmp, idx_tmp = prefix.with_name(prefix.name + ".bin.tmp"), prefix.with_name(prefix.name + ".idx.tmp")
-    with open(bin_tmp, "wb") as out:
-        for doc in documents:
-            array = np.asarray(doc, dtype=dtype)
-            out.write(array.tobytes(order="C"))
-            lengths.append(int(array.size))
-    pointers = np.zeros(len(lengths), dtype=np.int64)
-    if lengths:
-        pointers[1:] = np.cumsum(np.asarray(lengths[:-1], dtype=np.int64)) * dtype.itemsize
-    document_indices = np.arange(len(lengths) + 1, dtype=np.int64)
-    with open(idx_tmp, "wb") as out:
-        out.write(HEADER)
-        out.write(struct.pack("<Q", VERSION))
-        out.write(struct.pack("<B", DTYPE_CODES[dtype]))
-        out.write(struct.pack("<Q", len(lengths)))
-        out.write(struct.pack("<Q", len(document_indices)))
-        out.write(np.asarray(lengths, dtype=np.int32).tobytes(order="C"))
-        out.write(pointers.tobytes(order="C"))
-        out.write(document_indices.tobytes(order="C"))
-    bin_tmp.replace(prefix.with_name(prefix.name + ".bin"))
-    idx_tmp.replace(prefix.with_name(prefix.name + ".idx"))
-    return len(lengths), int(sum(lengths))
+class IndexWriter:
+    """Documents appended to an open .bin (any object with `write(bytes)`); `index()` is the matching .idx. The
+    caller owns the files (`stepdeploy data prepare` writes both to private temporaries and renames them)."""
+
+    def __init__(self, bin_file: BinaryIO, vocab: int) -> None:
+        self.bin_file, self.dtype = bin_file, token_dtype(vocab)
+        self.lengths: list[int] = []
+
+    def add(self, document: np.ndarray) -> None:
+        array = np.asarray(document, dtype=self.dtype)
+        self.bin_file.write(array.tobytes(order="C"))
+        self.lengths.append(int(array.size))
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(self.lengths))
+
+    def index(self) -> bytes:
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths):
+            pointers[1:] = np.cumsum(lengths[:-1]) * self.dtype.itemsize
+        document_indices = np.arange(len(lengths) + 1, dtype=np.int64)
+        return b"".join((HEADER, struct.pack("<Q", VERSION), struct.pack("<B", DTYPE_CODES[self.dtype]),
+                         struct.pack("<Q", len(lengths)), struct.pack("<Q", len(document_indices)),
+                         lengths.astype(np.int32).tobytes(order="C"), pointers.tobytes(order="C"),
+                         document_indices.tobytes(order="C")))
 
 
 class IndexedTokens:

@@ -54,6 +54,22 @@ def test_prepared_files_are_read_alike_by_megatron_core_and_by_the_torch_engines
     assert prepared.tokens == len(text) + 1 + len((tmp_path / "b.txt").read_bytes()) + 1
 
 
+def test_a_trained_bpe_dataset_is_read_by_the_nodes_without_its_tokenizer(tmp_path: Path) -> None:
+    """The nodes read a real tokenizer's ids from .bin/.idx alone (vocab and eod from workload.json)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    (tmp_path / "b.txt").write_text("pack my box with five dozen liquor jugs, ünïcödé\n" * 30)
+    made = corpus.prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "bpe", train_tokenizer=300)
+    theirs, mine = IndexedDataset(str(made.prefix)), indexed.IndexedTokens(made.prefix)
+    assert all(np.array_equal(theirs[i], mine[i]) and mine[i][-1] == made.eod for i in range(2))
+    cfg = {"model": {"vocab_size": 384}, "config_dir": str(tmp_path),
+           "training": {"seed": 3, "micro_batch_size": 2, "seq_length": 16, "global_batch_size": 4, "iterations": 10},
+           "data": made.workload_entry(made.prefix.name)}
+    batch = data.source_for(cfg, 0, 2, "cpu", megatron=False).micro_batch(1, 0)
+    assert batch.shape == (2, 17) and int(batch.max()) <= made.max_id < 300
+
+
 def test_megatron_gpt_dataset_and_the_plain_reader_give_samples_of_seq_plus_one(prepared: corpus.Corpus,
                                                                                megatron_single_rank: None) -> None:
     cfg = {"model": {"vocab_size": 512}, "config_dir": str(prepared.prefix.parent),
