@@ -110,8 +110,8 @@ def read_json(path: Path, what: str, *, hint: str | None = None, limit: int = MA
     return loads_json(read_bytes(path, what, limit), str(path), what=what, hint=hint)
 
 
-def nesting(value: Any) -> int:
-    """How deeply lists and dicts nest in `value` (iterative: any depth is measured, none overflows)."""
+def nesting(value: Any, limit: int = MAX_NESTING) -> int:
+    """How deeply lists and dicts nest in `value` (iterative: none overflows), stopping once past `limit`."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -119,7 +119,7 @@ def nesting(value: Any) -> int:
         if children is None:
             continue
         deepest = max(deepest, depth)
-        if deepest > MAX_NESTING:
+        if deepest > limit:
             return deepest
         stack.extend((child, depth + 1) for child in children)
     return deepest

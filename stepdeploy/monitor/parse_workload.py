@@ -1,17 +1,24 @@
 """The workload's own files (stepdeploy/workload/metrics.py): heartbeats, status files, metrics.jsonl.
 
 The probe prints heartbeats and status files one per line as `<file name> <json>`, and the tail of
-metrics.jsonl as it is. A line that is not JSON (a file caught mid-rewrite is impossible: they are written
-atomically, but a metrics line can be cut by `tail`) is skipped, never fatal. Pure: text in, values out.
+metrics.jsonl as it is. Every record goes through stepdeploy/noderecords.py's schema: a line that is not JSON
+(a file caught mid-rewrite is impossible: they are written atomically, but a metrics line can be cut by `tail`)
+or breaks the schema is skipped and counted in the caller's `Tally` (the node's fault), never fatal. Pure: text
+in, values out.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from stepdeploy import noderecords
 from stepdeploy.monitor.model import Heartbeat, MetricsRow, RankFile
+from stepdeploy.noderecords import Tally
+
+T = TypeVar("T")
 
 # The workload's metric keys (stepdeploy/workload/metrics.py METRIC_KEYS, which cannot be imported here:
 # it is shipped to the nodes as a loose file) that the rollout records in the ledger and the report
@@ -24,44 +31,44 @@ METRIC_NAMES = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "rank_
 LAYER_METRICS = ("moe_load", "router_bias", "moe_aux_loss")
 MTP_LOSS = "mtp_loss"
 
-_RANK = re.compile(r"rank(\d+)")
+_RANK = re.compile(r"rank(\d{1,7})")
 
 
-def _json_lines(text: str) -> list[tuple[int, dict]]:
+def _rank_lines(text: str, section: str, parse: Callable[[Any], T], tally: Tally) -> list[tuple[int | None, T]]:
+    """`<file name> <json>` lines -> (rank in the file name, checked record); the others counted in `tally`."""
     out = []
     for line in text.splitlines():
         name, _, body = line.strip().partition(" ")
+        if not name:
+            continue
         match = _RANK.search(name)
         try:
-            data = json.loads(body)
-        except json.JSONDecodeError:
-            continue
-        if match and isinstance(data, dict):
-            out.append((int(match.group(1)), data))
+            out.append((int(match.group(1)) if match else None, parse(noderecords.loads(body))))
+        except noderecords.BadRecord as exc:
+            tally.note(f"{section}/{name[:100]}", str(exc))
     return out
 
 
-def _opt_int(value: object) -> int | None:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _opt_float(value: object) -> float | None:
-    """JSON numbers; json.dumps writes NaN/Infinity as bare words, which json.loads reads back as floats."""
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def parse_heartbeats(text: str) -> tuple[Heartbeat, ...]:
-    beats = [Heartbeat(rank=rank, iteration=_opt_int(d.get("iteration")), time=float(d["time"]),
-                       pid=_opt_int(d.get("pid")))
-             for rank, d in _json_lines(text) if _opt_float(d.get("time")) is not None]
+def parse_heartbeats(text: str, tally: Tally | None = None) -> tuple[Heartbeat, ...]:
+    """Every valid heartbeat (noderecords.heartbeat_record) of a file named rank<R>; the rest counted."""
+    tally = Tally() if tally is None else tally
+    beats = [Heartbeat(rank=rank, iteration=beat.iteration, time=beat.time, pid=beat.pid)
+             for rank, beat in _rank_lines(text, "out/heartbeat", noderecords.heartbeat_record, tally)
+             if rank is not None]
     return tuple(sorted(beats, key=lambda b: b.rank))
 
 
-def parse_statuses(text: str) -> tuple[RankFile, ...]:
-    files = [RankFile(rank=_opt_int(d.get("rank")) if d.get("rank") is not None else rank,  # type: ignore[arg-type]
-                      state=str(d.get("state", "")), pid=_opt_int(d.get("pid")), node=d.get("node"),
-                      code=_opt_int(d.get("code")), reason=str(d.get("reason") or ""))
-             for rank, d in _json_lines(text)]
+def parse_statuses(text: str, tally: Tally | None = None) -> tuple[RankFile, ...]:
+    """Every valid status file (noderecords.status_record); its rank from the file when it says, else its name."""
+    tally = Tally() if tally is None else tally
+    files = []
+    for name_rank, status in _rank_lines(text, "out/status", noderecords.status_record, tally):
+        rank = status.rank if status.rank is not None else name_rank
+        if rank is None:
+            tally.note("out/status", "a status file without a rank")
+            continue
+        files.append(RankFile(rank=rank, state=status.state, pid=status.pid, node=status.node, code=status.code,
+                              reason=status.reason))
     return tuple(sorted(files, key=lambda f: f.rank))
 
 
@@ -75,21 +82,17 @@ def parse_proc_states(text: str) -> dict[int, str]:
     return states
 
 
-def parse_metrics(text: str) -> tuple[MetricsRow, ...]:
+def parse_metrics(text: str, tally: Tally | None = None) -> tuple[MetricsRow, ...]:
+    """The valid lines of metrics.jsonl's tail (noderecords.metrics_record; NaN losses kept: they are judged)."""
+    tally = Tally() if tally is None else tally
     rows = []
-    for line in text.splitlines():
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(data, dict) or _opt_int(data.get("iteration")) is None:
-            continue
-        times = data.get("rank_step_time_s") or ()
+    for data in noderecords.parse_lines(text, noderecords.metrics_record, "out/metrics.jsonl", tally,
+                                        allow_nan=True):
         rows.append(MetricsRow(
-            iteration=int(data["iteration"]), loss=_opt_float(data.get("loss")),
-            grad_norm=_opt_float(data.get("grad_norm")), step_time_s=_opt_float(data.get("step_time_s")),
-            rank_step_time_s=tuple(float(t) for t in times if _opt_float(t) is not None),
-            tokens_per_s=_opt_float(data.get("tokens_per_s")), time=_opt_float(data.get("time"))))
+            iteration=data["iteration"], loss=data.get("loss"), grad_norm=data.get("grad_norm"),
+            step_time_s=data.get("step_time_s"),
+            rank_step_time_s=tuple(t for t in data.get("rank_step_time_s", ()) if t is not None),
+            tokens_per_s=data.get("tokens_per_s"), time=data.get("time")))
     return tuple(rows)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from stepdeploy.monitor import parse_gpu, parse_host, parse_workload
 from stepdeploy.monitor.model import NodeSample
+from stepdeploy.noderecords import Tally
 from stepdeploy.remote import sections
 
 MARK = "@@stepdeploy-monitor@@"
@@ -134,13 +135,24 @@ def _simple(key: str, parse: Callable[[str], object]) -> Callable[[int, str, Pro
     return handle
 
 
+def _workload(key: str, parse: Callable[[str, Tally], object]) -> Callable[[int, str, ProbeSpec], dict]:
+    """A workload file's section: its valid records, and the node's bad records as this section's error."""
+    def handle(rc: int, text: str, spec: ProbeSpec) -> dict:
+        if rc != 0:
+            return {"errors": {key: _why(rc, text)}}
+        tally = Tally()
+        values = {key: parse(text, tally)}
+        return {**values, "errors": {key: "; ".join(tally.describe())}} if tally else values
+    return handle
+
+
 _PARSERS: dict[str, Callable[[int, str, ProbeSpec], dict]] = {
     "gpu": _parse_gpu, "kernel_log": _parse_kernel_log,
     "ib": _simple("ib_ports", parse_host.parse_ib), "net": _simple("netdevs", parse_host.parse_netdevs),
     "meminfo": _simple("meminfo_kib", parse_host.parse_meminfo), "disk": _simple("disk", parse_host.parse_df),
-    "heartbeats": _simple("heartbeats", parse_workload.parse_heartbeats),
-    "statuses": _simple("ranks", parse_workload.parse_statuses),
-    "metrics": _simple("metrics", parse_workload.parse_metrics),
+    "heartbeats": _workload("heartbeats", parse_workload.parse_heartbeats),
+    "statuses": _workload("ranks", parse_workload.parse_statuses),
+    "metrics": _workload("metrics", parse_workload.parse_metrics),
     "procs": _simple("rank_proc_states", parse_workload.parse_proc_states),
 }
 

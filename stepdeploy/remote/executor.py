@@ -68,6 +68,7 @@ class NodeStatus:
     exit_code: int | None = None
     ranks: tuple[RankStatus, ...] = ()
     detail: str = ""
+    bad_records: dict[str, int] = field(default_factory=dict, hash=False)  # file -> records it wrote wrong
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,8 @@ class CommandResult:
 class LogCursor:
     """Where streaming left off in each node's log."""
 
-    offsets: dict[str, int] = field(default_factory=dict)
-    partial: dict[str, str] = field(default_factory=dict)
+    offsets: dict[str, int] = field(default_factory=dict)  # bytes of each node's log already read
+    pending: dict[str, bytes] = field(default_factory=dict)  # an unfinished last line, as the node wrote it
 
 
 class Executor(Protocol):

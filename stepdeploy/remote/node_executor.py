@@ -13,34 +13,38 @@ stop     SIGTERM to the launch group and to every process carrying the run's STE
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
-import json
 import shlex
 import tarfile
 from collections.abc import Callable, Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from stepdeploy import noderecords
+from stepdeploy.remote import poll_answer, safe_extract
 from stepdeploy.remote.executor import (
     UNREACHABLE,
     CommandResult,
     LogCursor,
     NodeResult,
     NodeStatus,
-    RankStatus,
     RunStatus,
     StopResult,
     Target,
 )
-from stepdeploy.remote.transport import CALL_TIMEOUT_S, Channel, Ran, each
+from stepdeploy.remote.transport import CALL_TIMEOUT_S, Channel, Ran, TooLarge, each
 from stepdeploy.render.manifest import Manifest
 
 T = TypeVar("T")
 PROBE = resources.files("stepdeploy.remote").joinpath("node_probe.py").read_text()
 q = shlex.quote
 DEADLINE_S = 3 * CALL_TIMEOUT_S + 30  # one call on all nodes (an upload is three commands and a transfer)
+FOLLOW_CHUNK_BYTES = 4 * 1024 * 1024  # of one node's log per follow call (the rest comes with the next)
+MAX_LOG_LINE_BYTES = 64 * 1024  # a longer line is emitted in pieces of this size
 
 
 def _error(exc: BaseException) -> str:
@@ -52,6 +56,7 @@ class NodeExecutor:
     python = "python3"  # the nodes' interpreter for node_probe.py (standard library only)
     one_machine = False  # every target is the same machine (the local executor)
     poll_interval_s = 2.0  # how often a rollout polls the run (RolloutConfig.poll_interval_s overrides)
+    fetch_limits = safe_extract.Limits()  # what one node may send back to `fetch` (sizes, entries)
 
     def __init__(self, run_id: str, run_dir: str, targets: Iterable[Target]) -> None:
         self.run_id, self.run_dir = run_id, run_dir
@@ -158,23 +163,18 @@ class NodeExecutor:
             return NodeResult(target.name, False, f"did not start: {res.stderr.strip()[-300:]}")
         return NodeResult(target.name, True, f"launch pid {pid}")
 
-    def _probe(self, target: Target, mode: str, *extra: str, timeout: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+    def _probe(self, target: Target, mode: str, *extra: str, timeout: float = CALL_TIMEOUT_S) -> str:
+        """The probe's answer (its stdout: the node's word, checked by the caller)."""
         args = " ".join(q(a) for a in (mode, self.run_dir, self.run_id, target.node_dir, *extra))
         # -I: nothing from the working directory, PYTHONPATH or user site-packages is imported as root
         res = self._sh(target, f"{q(self.python)} -I -c {q(PROBE)} {args}", timeout=timeout)
         if not res.ok:
             raise RuntimeError(f"probe failed: {res.stderr.strip()[-300:]}")
-        return json.loads(res.stdout)
+        return res.stdout
 
     def poll(self) -> RunStatus:
         def one(target: Target) -> NodeStatus:
-            data = self._probe(target, "poll")
-            ranks = tuple(RankStatus(rank=r.get("rank", -1), node=r.get("node") or target.name, pid=r.get("pid"),
-                                     state=r.get("state", "?"), code=r.get("code"), reason=r.get("reason", ""),
-                                     iteration=r.get("iteration"), heartbeat_age_s=r.get("heartbeat_age_s"))
-                          for r in data["ranks"])
-            return NodeStatus(target.name, data["state"], data["exit_code"], ranks,
-                              f"{len(data['processes'])} process(es) of the run")
+            return poll_answer.node_status(target.name, self._probe(target, "poll"))
 
         return RunStatus(tuple(self._each(one, lambda t, e: NodeStatus(t.name, UNREACHABLE, detail=_error(e)))))
 
@@ -187,16 +187,20 @@ class NodeExecutor:
         return {t.name: lines for t, lines in zip(self.targets, answers, strict=True)}
 
     def follow(self, emit: Callable[[str], None], cursor: LogCursor) -> list[NodeResult]:
-        """Emit every complete log line added since `cursor`, prefixed with the node's name; call repeatedly."""
+        """Emit every complete log line added since `cursor`, prefixed with the node's name; call repeatedly.
+        The log comes as bytes (base64), so the cursor counts what the node wrote; bytes that are not UTF-8
+        show as replacement characters and never shift or swallow the text after them."""
 
         def one(target: Target) -> NodeResult:
             offset = cursor.offsets.get(target.name, 0)
-            res = self._sh(target, f"tail -c +{offset + 1} -- {q(self.run_dir)}/{q(target.log)} 2>/dev/null")
-            chunk = res.stdout
-            cursor.offsets[target.name] = offset + len(chunk.encode())
-            text = cursor.partial.get(target.name, "") + chunk
-            *lines, cursor.partial[target.name] = text.split("\n")
-            for line in lines:
+            res = self._sh(target, f"tail -c +{offset + 1} -- {q(self.run_dir)}/{q(target.log)} 2>/dev/null "
+                                   f"| head -c {FOLLOW_CHUNK_BYTES} | base64")
+            try:
+                chunk = base64.b64decode(res.stdout.encode("ascii", "replace"))
+            except (binascii.Error, ValueError):
+                return NodeResult(target.name, False, "the node's log answer is not base64; its log is not shown")
+            cursor.offsets[target.name] = offset + len(chunk)
+            for line in _log_lines(cursor, target.name, chunk[:FOLLOW_CHUNK_BYTES]):
                 emit(f"{target.name} | {line}")
             return NodeResult(target.name, True)
 
@@ -204,17 +208,23 @@ class NodeExecutor:
 
     def stop(self, grace_s: float = 10.0, targets: list[Target] | None = None) -> list[StopResult]:
         def one(target: Target) -> StopResult:
-            data = self._probe(target, "stop", str(grace_s), timeout=grace_s + 60)
-            left = tuple(data["left"])
+            data = noderecords.loads(self._probe(target, "stop", str(grace_s), timeout=grace_s + 60).strip())
+            if not isinstance(data, dict) or not isinstance(data.get("left"), list):
+                return StopResult(target.name, False, detail="the node's stop answer is not the probe's")
+            left, signalled, killed = (_pids(data.get(key)) for key in ("left", "signalled", "killed"))
+            if len(left) != len(data["left"]):
+                return StopResult(target.name, False, detail="the node's stop answer names processes that are not pids")
             detail = "nothing of the run is left" if not left else f"still running: pids {list(left)}"
-            return StopResult(target.name, not left, tuple(data["signalled"]), tuple(data["killed"]), left, detail)
+            return StopResult(target.name, not left, signalled, killed, left, detail)
 
         return self._each(one, lambda t, e: StopResult(t.name, False, detail=f"unreachable: {_error(e)}"), targets,
                           deadline_s=grace_s + CALL_TIMEOUT_S + 30)
 
     def fetch(self, dest: Path) -> list[NodeResult]:
         """metrics, phases, status, heartbeats, the diagnostics' JSON files (out/*.json: traces.py's profiles and
-        memory trace), logs and exit codes (not checkpoints) into dest/<node dir>/."""
+        memory trace), logs and exit codes (not checkpoints) into dest/<node dir>/. The node's archive is not
+        trusted: safe_extract.py writes its regular files only, within `fetch_limits`, and replaces
+        dest/<node dir>/ whole."""
 
         def one(target: Target) -> NodeResult:
             # the archive goes into a fresh private directory (mktemp -d, 0700), never a guessable /tmp name
@@ -226,15 +236,22 @@ class NodeExecutor:
             workdir = res.stdout.strip()
             if not res.ok or not workdir.startswith("/"):
                 return NodeResult(target.name, False, "nothing to fetch")
+            limit = self.fetch_limits.total_bytes
             try:
-                data = target.channel.get(f"{workdir}/fetch.tar.gz")
+                data = target.channel.get(f"{workdir}/fetch.tar.gz", limit=limit)
+            except TooLarge:
+                return NodeResult(target.name, False, f"node {target.name} sent more than {limit // 2**20} MiB for "
+                                                      f"fetch.tar.gz, more than the limit of {limit // 2**20} MiB")
             finally:
                 self._sh(target, f"rm -rf -- {q(workdir)}")
             where = dest / target.node_dir
-            where.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
-                archive.extractall(where, filter="data")
-            return NodeResult(target.name, True, str(where))
+            try:
+                done = safe_extract.extract(data, where, target.name, self.fetch_limits)
+            except safe_extract.FetchRefused as exc:
+                return NodeResult(target.name, False, str(exc))
+            left = (f"; left out {len(done.left_out)} entr(ies) the node should not send: "
+                    f"{', '.join(done.left_out[:5])}" if done.left_out else "")
+            return NodeResult(target.name, True, f"{where}{left}")
 
         return self._each(one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
 
@@ -245,6 +262,22 @@ class NodeExecutor:
 
         return self._each(one, lambda t, e: CommandResult(t.name, False, None, stderr=f"unreachable: {_error(e)}"),
                           targets)
+
+
+def _pids(value: object) -> tuple[int, ...]:
+    return tuple(v for v in value if type(v) is int and 0 < v <= noderecords.PID_MAX) if isinstance(value, list) else ()
+
+
+def _log_lines(cursor: LogCursor, node: str, chunk: bytes) -> list[str]:
+    """The complete lines `chunk` ends (after the bytes left over from the call before), decoded with
+    replacement characters; an unfinished last line waits in the cursor, one over MAX_LOG_LINE_BYTES is cut."""
+    data = cursor.pending.get(node, b"") + chunk
+    *lines, rest = data.split(b"\n")
+    while len(rest) > MAX_LOG_LINE_BYTES:
+        lines.append(rest[:MAX_LOG_LINE_BYTES])
+        rest = rest[MAX_LOG_LINE_BYTES:]
+    cursor.pending[node] = rest
+    return [line.decode("utf-8", "replace") for line in lines]
 
 
 def _tarball(local_run: Path) -> bytes:

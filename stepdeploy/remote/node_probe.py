@@ -1,8 +1,10 @@
 """Run ON a node by the Fabric executor as `python3 -I -c SOURCE MODE RUN_DIR RUN_ID NODE_DIR [GRACE]`
 (standard library only). Prints one JSON document.
 
-poll: the launch script's state (running / exited with code / not started) and every rank's status file,
-      with the rank's process checked for life (a status that says running over a dead pid = died).
+poll: the launch script's state (running / exited / not started), the run's live processes, this node's name
+      and clock, and the raw text of every rank's status and heartbeat file (at most MAX_BYTES each, bytes
+      that are not UTF-8 replaced). The controller checks each of them (stepdeploy/noderecords.py, through
+      poll_answer.py): what a rank wrote is judged there, so a broken file never breaks the probe.
 stop: SIGTERM to the launch script's process group and to every process carrying this run's
       STEPDEPLOY_RUN_ID (torchrun's workers run in sessions of their own), wait up to GRACE seconds,
       SIGKILL what is left, then list what still exists (must be nothing).
@@ -10,13 +12,18 @@ stop: SIGTERM to the launch script's process group and to every process carrying
 
 import json
 import os
+import re
 import shlex
 import signal
+import stat
 import sys
 import time
 
 mode, run_dir, run_id, node_dir = ([*sys.argv[1:5], "", "", "", ""])[:4]
 tag = b"STEPDEPLOY_RUN_ID=" + run_id.encode() + b"\0"
+MAX_BYTES = 65536  # read of one status, heartbeat, pid or exit code file (one byte more says "longer")
+MAX_RANK_FILES = 4096
+STATUS_NAME = re.compile(r"rank(\d{1,7})\.json")
 
 
 def ours():
@@ -37,16 +44,30 @@ def ours():
 
 
 def read(path):
+    """At most MAX_BYTES + 1 of a regular file as text (None: missing or not a regular file); never blocks."""
     try:
-        with open(path) as handle:
-            return handle.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, MAX_BYTES + 1).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def small_int(text):
+    text = (text or "").strip()
+    digits = text[1:] if text.startswith("-") else text
+    return int(text) if digits.isdigit() and len(digits) <= 9 else None
 
 
 def launch_pid():
-    text = read(os.path.join(run_dir, node_dir, "launch.pid"))
-    return int(text) if text and text.strip().isdigit() else None
+    pid = small_int(read(os.path.join(run_dir, node_dir, "launch.pid")))
+    return pid if pid is not None and pid > 0 else None
 
 
 def alive(pid):
@@ -54,37 +75,38 @@ def alive(pid):
 
 
 def poll():
-    pid, code = launch_pid(), read(os.path.join(run_dir, node_dir, "exit_code"))
+    pid, code = launch_pid(), small_int(read(os.path.join(run_dir, node_dir, "exit_code")))
     live = ours()
     if pid is not None and pid in live:
         state = "running"
-    elif code is not None and code.strip().lstrip("-").isdigit():
+    elif code is not None:
         state = "exited"
     elif pid is None:
         state = "not-started"
     else:
         state = "exited"  # gone without an exit code: killed together with its group
-    ranks, here = [], node_name()
     status_dir = os.path.join(run_dir, "out", "status")
-    for name in sorted(os.listdir(status_dir)) if os.path.isdir(status_dir) else []:
-        status = json.loads(read(os.path.join(status_dir, name)) or "{}")
-        if status.get("node") not in (None, here):  # a shared run directory holds other nodes' ranks too
-            continue
-        beat = json.loads(read(os.path.join(run_dir, "out", "heartbeat", f"rank{status.get('rank')}")) or "{}")
-        if status.get("state") == "running" and status.get("pid") not in live:
-            status["state"] = "died"
-        status["iteration"] = beat.get("iteration")
-        status["heartbeat_age_s"] = round(time.time() - beat["time"], 2) if "time" in beat else None
-        ranks.append(status)
-    return {"state": state, "exit_code": int(code) if code and state == "exited" else None,
-            "launch_pid": pid, "processes": live, "ranks": ranks}
+    try:
+        names = sorted(os.listdir(status_dir))[:MAX_RANK_FILES] if os.path.isdir(status_dir) else []
+    except OSError:
+        names = []
+    ranks = []
+    for name in names:
+        match = STATUS_NAME.fullmatch(name)
+        beat = read(os.path.join(run_dir, "out", "heartbeat", f"rank{match.group(1)}")) if match else None
+        ranks.append({"file": name[:255], "status": read(os.path.join(status_dir, name)), "heartbeat": beat})
+    return {"state": state, "exit_code": code if state == "exited" else None, "launch_pid": pid,
+            "processes": live, "node": node_name(), "now": time.time(), "ranks": ranks}
 
 
 def node_name():
     text = read(os.path.join(run_dir, node_dir, "env.sh")) or ""
     for line in text.splitlines():
         if line.startswith("export STEPDEPLOY_NODE_NAME="):
-            return shlex.split(line.split("=", 1)[1])[0]
+            try:
+                return shlex.split(line.split("=", 1)[1])[0]
+            except (ValueError, IndexError):
+                return None
     return None
 
 

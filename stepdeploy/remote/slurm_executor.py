@@ -150,7 +150,8 @@ class SlurmExecutor:
             job = self.job()
         except Exception as exc:  # the controller is down: the nodes' own answers are all we have
             return RunStatus(tuple(NodeStatus(n.node, n.state, n.exit_code, n.ranks,
-                                              f"slurm controller unreachable: {_error(exc)}") for n in nodes.nodes))
+                                              f"slurm controller unreachable: {_error(exc)}", n.bad_records)
+                                   for n in nodes.nodes))
         self._note(job)
         return sj.combine(job, nodes)
 

@@ -136,17 +136,21 @@ def combine(job: JobInfo | None, nodes: RunStatus) -> RunStatus:
 def _node(job: JobInfo, node: NodeStatus) -> NodeStatus:
     said = job.describe()
     detail = f"{said}; {node.detail}" if node.detail else said
+
+    def status(state: str, exit_code: int | None) -> NodeStatus:
+        return NodeStatus(node.node, state, exit_code, node.ranks, detail, node.bad_records)
+
     if node.state == UNREACHABLE or node.state == RUNNING:
-        return NodeStatus(node.node, node.state, node.exit_code, node.ranks, detail)
+        return status(node.state, node.exit_code)
     if job.active:
         if node.state == EXITED:  # this node's part ended; the job still winds down its other nodes
-            return NodeStatus(node.node, EXITED, node.exit_code, node.ranks, detail)
-        return NodeStatus(node.node, RUNNING, None, node.ranks, detail)  # queued or starting
+            return status(EXITED, node.exit_code)
+        return status(RUNNING, None)  # queued or starting
     if node.state == EXITED and node.exit_code is not None:
-        return NodeStatus(node.node, EXITED, node.exit_code, node.ranks, detail)
+        return status(EXITED, node.exit_code)
     if job.state == "NODE_FAIL":
-        return NodeStatus(node.node, UNREACHABLE, None, node.ranks, detail)
-    return NodeStatus(node.node, EXITED, _silent_code(job), node.ranks, detail)
+        return status(UNREACHABLE, None)
+    return status(EXITED, _silent_code(job))
 
 
 def _silent_code(job: JobInfo) -> int:

@@ -66,9 +66,26 @@ class Channel(Protocol):
 
     def put(self, data: bytes, remote: str) -> None: ...
 
-    def get(self, remote: str) -> bytes: ...
+    def get(self, remote: str, limit: int | None = None) -> bytes: ...  # TooLarge past `limit` bytes
 
     def close(self) -> None: ...
+
+
+class TooLarge(Exception):
+    """A file a node sent is larger than the caller's limit (nothing of it is kept)."""
+
+
+class _CappedBuffer(io.BytesIO):
+    """A BytesIO that refuses to grow past `limit` bytes (what an SFTP download writes into)."""
+
+    def __init__(self, remote: str, limit: int | None) -> None:
+        super().__init__()
+        self.remote, self.limit = remote, limit
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        if self.limit is not None and self.tell() + len(data) > self.limit:
+            raise TooLarge(f"{self.remote} is larger than {self.limit:,} bytes")
+        return super().write(data)
 
 
 @dataclass
@@ -107,10 +124,13 @@ class LocalChannel:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
 
-    def get(self, remote: str) -> bytes:
+    def get(self, remote: str, limit: int | None = None) -> bytes:
         fd = os.open(remote, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as handle:
-            return handle.read()
+            data = handle.read() if limit is None else handle.read(limit + 1)
+        if limit is not None and len(data) > limit:
+            raise TooLarge(f"{remote} is larger than {limit:,} bytes")
+        return data
 
     def close(self) -> None:
         return None
@@ -158,8 +178,8 @@ class SshChannel:
     def put(self, data: bytes, remote: str) -> None:
         self._connection().put(io.BytesIO(data), remote)
 
-    def get(self, remote: str) -> bytes:
-        buffer = io.BytesIO()
+    def get(self, remote: str, limit: int | None = None) -> bytes:
+        buffer = _CappedBuffer(remote, limit)
         self._connection().get(remote, buffer)
         return buffer.getvalue()
 
@@ -229,4 +249,4 @@ def each(items: Iterable[Item], work: Callable[[Item], T], deadline_s: float,
 
 
 __all__ = ["CALL_TIMEOUT_S", "CONNECT_TIMEOUT_S", "TIMED_OUT_RC", "Channel", "LocalChannel", "Ran", "SshChannel",
-           "channel_for", "describe", "each", "is_local", "session_environment"]
+           "TooLarge", "channel_for", "describe", "each", "is_local", "session_environment"]

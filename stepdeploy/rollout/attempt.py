@@ -5,13 +5,13 @@ Side effects live here (files, SSH); the decisions (gates) are pure functions in
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepdeploy import noderecords
 from stepdeploy.catalog import load_model
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
@@ -89,45 +89,42 @@ def ledger_events(local_run: Path, manifest: Manifest, cluster: Cluster) -> Even
 
 
 def latest_metrics(executor: Executor) -> dict[str, Any]:
-    """The last metrics line rank 0 wrote (on the first node only: the others have none), or {}."""
+    """The last metrics line rank 0 wrote (on the first node only: the others have none), or {} (also when the
+    line breaks noderecords' schema: the node's fault, and the next poll reads a newer one)."""
     for result in executor.run_command("tail -n 1 out/metrics.jsonl 2>/dev/null", executor.targets[:1]):
+        lines = result.stdout.strip().splitlines()
         try:
-            return json.loads(result.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
+            return noderecords.metrics_record(noderecords.loads(lines[-1], allow_nan=True)) if lines else {}
+        except noderecords.BadRecord:
             return {}
     return {}
 
 
-# The workload's metrics keys the gates and the ledger read as numbers (workload/metrics.py writes them).
-NUMERIC_KEYS = ("iteration", "time", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mem_allocated_gib",
-                "mem_reserved_gib", "mem_peak_gib", "mfu")
+def read_metrics(fetched: Path, tally: noderecords.Tally | None = None) -> list[dict[str, Any]]:
+    """Every valid metrics line fetched from the nodes (rank 0 writes them; its node's copy is the one), as
+    noderecords.metrics_record checks it: the gates meet numbers (NaN included) or nothing. Lines that break the
+    schema are skipped and counted in `tally` (per file: the node's fault)."""
+    return read_rank0_lines(fetched, "metrics.jsonl", noderecords.metrics_record, tally, allow_nan=True)
 
 
-def read_metrics(fetched: Path) -> list[dict[str, Any]]:
-    """Every metrics line fetched from the nodes (rank 0 writes them; its node's copy is the one). A figure the
-    gates read that is not a number is dropped: they meet numbers (NaN included) or nothing."""
-    return [{k: v for k, v in line.items() if k not in NUMERIC_KEYS or _number(v) is not None}
-            for line in read_rank0_lines(fetched, "metrics.jsonl") if _number(line.get("iteration")) is not None]
+def read_phases(fetched: Path, tally: noderecords.Tally | None = None) -> list[dict[str, Any]]:
+    """Every valid line of out/phases.jsonl fetched from the nodes (start-up phases and saves; rank 0 writes
+    them): each has a `phase` and a finite `time` (noderecords.phase_record); the others are counted in `tally`."""
+    return read_rank0_lines(fetched, "phases.jsonl", noderecords.phase_record, tally)
 
 
-def read_phases(fetched: Path) -> list[dict[str, Any]]:
-    """Every line of out/phases.jsonl fetched from the nodes (start-up phases and saves; rank 0 writes them)."""
-    return read_rank0_lines(fetched, "phases.jsonl")
-
-
-def read_rank0_lines(fetched: Path, name: str) -> list[dict[str, Any]]:
-    lines: list[dict[str, Any]] = []
+def read_rank0_lines(fetched: Path, name: str, parse: Callable[[Any], dict[str, Any]],
+                     tally: noderecords.Tally | None = None, *, allow_nan: bool = False) -> list[dict[str, Any]]:
+    """The valid records of the first out/<name> below `fetched` that has any (a line cut by a kill, or one a
+    node wrote against the schema, is skipped and counted)."""
+    tally = noderecords.Tally() if tally is None else tally
     for path in sorted(fetched.glob(f"**/out/{name}")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                data = json.loads(line)
-            except (ValueError, RecursionError):
-                continue  # a line cut by a kill: skip it
-            if isinstance(data, dict):
-                lines.append(data)
-        if lines:
-            break
-    return lines
+        source = str(path.relative_to(fetched))
+        records = noderecords.parse_lines(list(noderecords.file_lines(path, source, tally)), parse, source, tally,
+                                          allow_nan=allow_nan)
+        if records:
+            return records
+    return []
 
 
 def _number(value: Any) -> float | None:

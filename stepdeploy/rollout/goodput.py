@@ -21,8 +21,8 @@ Times of metrics and phases come from rank 0's node, those of attempts and event
 
 from __future__ import annotations
 
+import math
 import statistics
-from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,7 +147,9 @@ def breakdown(started: float, ended: float, metrics: list[dict[str, Any]], phase
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    """A finite number, else None (a NaN time or step would poison every sum it enters)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def _median(values: list[float]) -> float | None:
@@ -160,6 +162,8 @@ def _starts(phases: list[dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
     current: dict[Any, dict[str, dict[str, Any]]] = {}
     for line in phases:
         name, pid = line.get("phase"), line.get("pid")
+        if _num(line.get("time")) is None:  # read_phases refuses such lines; a caller that did not ask it is safe too
+            continue
         if name == "start":
             current[pid] = {"start": line}
             groups.append(current[pid])
@@ -233,25 +237,41 @@ def _failures(events: list[dict[str, Any]], attempts: list[dict[str, Any]], line
 class LiveGoodput:
     """The effective ratio while the soak runs, from what the controller has anyway: the metrics lines it
     fetched at the end of the earlier attempts (exact) and the latest line of every poll (the iterations
-    since the poll before are taken at the polled line's step time). No start-up or save split: that is the end's."""
+    since the poll before are taken at the polled line's step time). No start-up or save split: that is the end's.
+    Iterations are kept as runs of one step time (first, last, step), never one entry per iteration: a line
+    that says iteration 10**12 costs one run, not terabytes."""
 
     def __init__(self, started: float, lines: list[dict[str, Any]]) -> None:
         self.started = started
-        self.steps = array("d")  # step time of iterations 1, 2, ... as they count so far
+        self.runs: list[list[float]] = []  # [first, last, step time]: iterations first..last as they count so far
+        self.done = 0  # iterations that count so far (the last run's last)
         self.productive = 0.0
         for line in lines:
             self.observe(line)
 
     def observe(self, line: dict[str, Any]) -> None:
         iteration, step = line.get("iteration"), _num(line.get("step_time_s"))
-        if not isinstance(iteration, int) or iteration < 1 or step is None:
+        if type(iteration) is not int or iteration < 1 or step is None or not math.isfinite(step):
             return
-        if iteration <= len(self.steps):  # a restart went back (or the same line again): drop what it redoes
-            self.productive -= sum(self.steps[iteration - 1:])
-            del self.steps[iteration - 1:]
-        count = iteration - len(self.steps)
-        self.steps.extend([step] * count)
+        if iteration <= self.done:  # a restart went back (or the same line again): drop what it redoes
+            self._drop_from(iteration)
+        count = iteration - self.done
+        if self.runs and self.runs[-1][2] == step:
+            self.runs[-1][1] = iteration
+        else:
+            self.runs.append([self.done + 1, iteration, step])
+        self.done = iteration
         self.productive += step * count
+
+    def _drop_from(self, iteration: int) -> None:
+        while self.runs and self.runs[-1][0] >= iteration:
+            first, last, step = self.runs.pop()
+            self.productive -= step * (last - first + 1)
+        if self.runs and self.runs[-1][1] >= iteration:
+            last, step = self.runs[-1][1], self.runs[-1][2]
+            self.productive -= step * (last - iteration + 1)
+            self.runs[-1][1] = iteration - 1
+        self.done = iteration - 1
 
     def ratio(self, now: float) -> float | None:
         wall = now - self.started

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from stepdeploy import noderecords
 from stepdeploy.errors import StepdeployError
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger
@@ -33,6 +35,7 @@ from stepdeploy.rollout.attempt import (
     metric_rows,
     metric_time,
     read_metrics,
+    read_phases,
     render_attempt,
 )
 from stepdeploy.rollout.clock import REAL, Clock
@@ -143,8 +146,15 @@ class AttemptService:
         """Fetch the run's files; metrics lines written since `since` go to the ledger (a restarted soak
         appends to the same metrics file, so earlier attempts' lines are not counted twice)."""
         fetched = local / "fetched"
-        executor.fetch(fetched)
-        metrics = [m for m in read_metrics(fetched) if metric_time(m) >= since]
+        refused = [r for r in executor.fetch(fetched) if not r.ok or "left out" in r.detail]
+        tally = noderecords.Tally()
+        metrics = [m for m in read_metrics(fetched, tally) if metric_time(m) >= since]
+        read_phases(fetched, tally)
+        if refused or tally:  # the node's fault, said where the report shows it (a ledger event of its own kind)
+            found = [f"{r.node}: {r.detail}" for r in refused] + tally.describe()
+            self.ledger.event(self.run_id, "node_data", "what the nodes sent was not all read: " + "; ".join(found),
+                              data={"attempt": attempt, "fetch": [asdict(r) for r in refused], "bad": tally.bad,
+                                    "warnings": tally.warnings})
         if metrics:
             self.ledger.add_metrics(self.run_id, attempt, metric_rows(metrics, METRIC_NAMES))
         return metrics

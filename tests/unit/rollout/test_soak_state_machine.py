@@ -303,3 +303,18 @@ def test_a_soak_of_fixed_iterations_ends_when_they_are_trained_across_a_restart(
     assert schedule["source"] == "fixed by --soak-iterations"
     assert {g["gate"] for g in s.ledger.verdicts("r") if g["passed"]} >= {"loss_finite", "loss_trend"}
     _nothing_running(s)
+
+
+def test_hostile_records_from_a_node_are_skipped_counted_and_the_soak_still_ends(soak: Soak) -> None:
+    """What a node writes is untrusted (issue 36): a metrics line that is not an object, NaN and 1e12 iterations, a
+    phase without its time. Before: AttributeError, MemoryError and a goodput KeyError left the ledger `running`."""
+    nodes = soak.nodes
+    nodes.metrics += [[1], {"iteration": float("nan"), "time": 1.0, "loss": 1.0},
+                      {"iteration": 10**12, "time": 1.0, "loss": 1.0}]
+    nodes.phases.append({"phase": "start", "pid": 4242})  # no time
+    assert soak.run() is None
+    assert soak.attempts() == ["passed"] and soak.stage() == "passed"
+    (bad,) = {e["message"] for e in soak.events("node_data")}
+    assert "metrics.jsonl: 3 bad record(s)" in bad and "phases.jsonl: 1 bad record(s)" in bad
+    assert soak.events("goodput")  # the goodput step read the phases it could
+    _nothing_running(soak)
