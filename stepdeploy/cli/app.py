@@ -68,7 +68,7 @@ app.command("provision", epilog="Example: stepdeploy provision inventory/dgx.ini
     provision_cmd.provision
 )
 app.command("preflight", epilog="Example: stepdeploy preflight inventory/dgx.ini --json")(preflight_cmd.preflight)
-app.command("render", epilog="Example: stepdeploy render -i inventory/dgx.ini --model step-3.5-flash --out runs/r1")(
+app.command("render", epilog=render_cmd.EXAMPLE)(
     render_cmd.render
 )
 app.command("report", epilog="Example: stepdeploy report runs/r1 --html runs/r1/report.html")(report_cmd.report)

@@ -6,21 +6,22 @@ Exit codes: 0 at least one layout fits (or the --layout given fits), 1 none does
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any
 
 import typer
 
 from stepdeploy.catalog import load_hardware, load_model
 from stepdeploy.cli.common import finite_option
-from stepdeploy.cli.output import console, emit_json, info, out
+from stepdeploy.cli.output import console, emit_json, info, out, warn
 from stepdeploy.cli.rollout import parse_mtbf
 from stepdeploy.errors import EXIT_FAILED, BadInput
 from stepdeploy.inventory import load_cluster
 from stepdeploy.plan import checkpoint, engines, report
 from stepdeploy.plan.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterShape, cluster_shape, shape_from_cluster
-from stepdeploy.plan.layout import Job, Layout, parse_layout
+from stepdeploy.plan.layout import Job, Layout, check_sequence, parse_layout
 from stepdeploy.plan.params import count_parameters
-from stepdeploy.plan.search import PlanResult, judge, search, smallest_fitting_cluster
+from stepdeploy.plan.search import BatchCap, PlanResult, batch_cap, judge, search, smallest_fitting_cluster
 
 TABLE_WIDTH = 150  # wide tables stay readable when stdout is a pipe (rich assumes 80 columns there)
 
@@ -41,12 +42,15 @@ def _cluster(
 ) -> ClusterShape:
     if inventory:
         base = _inventory_shape(inventory)
-        return cluster_shape(
+        given = cluster_shape(
             nodes or base.nodes,
             gpus_per_node or base.gpus_per_node,
             gpu or base.gpu.name,
             link or base.inter_node_link.name,
         )
+        if given.inter_node_link != base.inter_node_link:
+            return given  # another fabric than the inventory's: its HCAs say nothing about that one
+        return replace(given, hcas_per_node=base.hcas_per_node, hca_rate_gbit=base.hca_rate_gbit)
     if not (nodes and gpus_per_node and gpu):
         raise BadInput(
             "say which cluster to plan for",
@@ -133,6 +137,7 @@ def plan(
     spec, hardware = load_model(model), load_hardware()
     cluster = _cluster(inventory, nodes, gpus_per_node, gpu, link)
     seq_length = seq if seq is not None else spec.training.seq_length
+    check_sequence(spec, seq_length)
     global_batch = gbs if gbs is not None else spec.training.global_batch_size
     params = count_parameters(spec)
     if explain and not as_json:
@@ -149,7 +154,10 @@ def plan(
             spec, cluster, hardware, seq_length, global_batch, margin
         )
     interval = _checkpoint_interval(params.total, result, given, mtbf_s)
-    _emit(result, given, top, as_json, interval, report.params_dict(params) if explain else None)
+    cap = batch_cap(spec, result, hardware, margin)
+    if cap is not None:
+        warn(report.batch_cap_text(cap))
+    _emit(result, given, top, as_json, interval, cap, report.params_dict(params) if explain else None)
     if explain and not as_json:
         out.print(f"What the {engines.DEFAULT_ENGINE} engine runs (the layouts above are only those):", markup=False)
         for line in engines.explain(engines.DEFAULT_ENGINE, spec):
@@ -171,14 +179,15 @@ def _checkpoint_interval(params: int, result: PlanResult, given: Any, mtbf_s: fl
                               f"the planner's step for {verdict.layout.short()}", shape.world, mtbf_s)
 
 
-def _emit(result: PlanResult, given: Any, top: int, as_json: bool,
-          interval: checkpoint.CheckpointInterval | None, parameters: dict[str, Any] | None = None) -> None:
+def _emit(result: PlanResult, given: Any, top: int, as_json: bool, interval: checkpoint.CheckpointInterval | None,
+          cap: BatchCap | None, parameters: dict[str, Any] | None = None) -> None:
     if as_json:  # one document: --explain's breakdown goes into it, never before it
         data = report.result_dict(result, top)
         if given:
             data = {"layout": report.verdict_dict(given, result.job), "alternatives": data}
         extra = {"parameters": parameters} if parameters is not None else {}
-        emit_json({**data, "checkpoint_interval": interval.to_json() if interval else None, **extra})
+        emit_json({**data, "checkpoint_interval": interval.to_json() if interval else None,
+                   "batch_cap": report.batch_cap_dict(cap), **extra})
         return
     if given:
         _print_layout_verdict(result.job, given, result.cluster)

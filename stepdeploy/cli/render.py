@@ -1,6 +1,7 @@
 """`stepdeploy render`: inventory + model + layout (chosen by the planner unless given) -> a run directory.
 
-Exit codes: 0 rendered (or would be, with --dry-run), 1 no layout fits, 2 bad input.
+Exit codes: 0 rendered (or would be, with --dry-run), 1 no layout fits (or the --layout given does not, unless
+--force), 2 bad input.
 """
 
 from __future__ import annotations
@@ -12,17 +13,25 @@ from pathlib import Path
 import typer
 
 from stepdeploy.cli.common import finite_option
-from stepdeploy.cli.output import emit_json, err, info, out
+from stepdeploy.cli.output import emit_json, err, info, out, warn
 from stepdeploy.render import RenderOptions, parse_env
 from stepdeploy.render.build import build, check_out_dir, write_run
 from stepdeploy.render.options import REMOTE_RUNS, SEED_OPTIONS, STAGE_ITERATIONS
+
+# `render --help`'s example (cli/app.py's epilog): it runs as written from a checkout (test_render_truths.py);
+# step-3.5-flash, the example until issue 34, fits no layout on the seed's 2 x 8 H100 (and its seed-2024 stack's
+# PyTorch 2.3.1 has no flex_attention for its sliding windows).
+EXAMPLE = "Example: stepdeploy render -i inventory/dgx.ini --model proxy-0.7b-moe --out runs/r1"
 
 
 def render(
     inventory: str = typer.Option(..., "--inventory", "-i", help="Ansible inventory (INI/YAML)."),
     model: str = typer.Option(..., "--model", "-m", help="Catalog model, e.g. tiny-dense, proxy-0.7b-moe."),
-    out_dir: Path = typer.Option(..., "--out", "-o", help="Run directory to create (must not exist)."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Run directory to write: a new path or an empty directory "
+                                 "(written whole, then renamed into place; never over files)."),
     layout: str | None = typer.Option(None, "--layout", help="tp=2,pp=1,ep=2,mbs=1,... (default: planner's best)."),
+    force: bool = typer.Option(False, "--force", help="Render a --layout the planner says does not fit (exit 1 "
+                               "otherwise); the manifest records fits: false, forced: true."),
     stage: str = typer.Option("warmup", "--stage", help=f"One of {', '.join(STAGE_ITERATIONS)}."),
     run_id: str | None = typer.Option(None, "--run-id", help="Default: MODEL-STAGE-UTC time."),
     engine: str | None = typer.Option(None, "--engine", help="torch or megatron (default: by GPUs)."),
@@ -60,10 +69,13 @@ def render(
         remote_dir=remote_dir, python=python, data=str(data) if data else None)
     if not dry_run:
         check_out_dir(out_dir)  # before the work of rendering: a run directory is never written twice
-    rendered = build(inventory, model, layout, opts, facts_dir)
+    rendered = build(inventory, model, layout, opts, facts_dir, force=force)
     for note in rendered.notes:
         err.print(f"note: {note}", markup=False, soft_wrap=True)
     manifest = rendered.manifest
+    planned = manifest.inputs.get("layout") or {}
+    if planned.get("forced"):
+        warn(f"layout {manifest.layout} does not fit: {planned.get('shortfall')}; rendered anyway (--force)")
     with_facts = [node for node in manifest.nodes if node.facts]
     if with_facts:
         err.print(f"NCCL settings of {', '.join(n.name for n in with_facts)} from the facts provisioning saved "

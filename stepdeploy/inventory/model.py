@@ -50,6 +50,7 @@ class Node(BaseModel):
     train_iface: str | None = None  # netdev for NCCL_SOCKET_IFNAME
     fabric: Fabric | None = None
     ib_hcas: list[str] = []  # NCCL_IB_HCA; for RoCE on a DGX Spark both halves of the port
+    ib_rate_gbit: int | None = Field(default=None, ge=1)  # one HCA port's rate, Gb/s (ibstat); None: the fabric's
 
 
 class SlurmSettings(BaseModel):

@@ -16,7 +16,7 @@ from stepdeploy.stack import did_you_mean, profile_names
 # Our own variables; anything else starting with `stepdeploy_` is a typo (or a newer stepdeploy's).
 STEPDEPLOY_VARS = (
     "stepdeploy_gpus_per_node", "stepdeploy_gpu_model", "stepdeploy_arch", "stepdeploy_train_iface",
-    "stepdeploy_fabric", "stepdeploy_ib_hcas", "stepdeploy_profile", "stepdeploy_ssh_known_hosts",
+    "stepdeploy_fabric", "stepdeploy_ib_hcas", "stepdeploy_ib_rate", "stepdeploy_profile", "stepdeploy_ssh_known_hosts",
     *("stepdeploy_executor", "stepdeploy_slurm_controller", "stepdeploy_slurm_partition", "stepdeploy_slurm_tasks"),
     "stepdeploy_slurm",  # ansible/playbooks/site.yml: run the slurm role on every host (no `slurm` group)
 )
@@ -107,6 +107,7 @@ def build_node(raw: RawHost, source: Path) -> tuple[Node, str | None]:
         train_iface=host.read("stepdeploy_train_iface", v.read_netdev),
         fabric=host.read("stepdeploy_fabric", v.read_fabric),
         ib_hcas=host.read("stepdeploy_ib_hcas", v.read_hcas) or [],
+        ib_rate_gbit=host.read("stepdeploy_ib_rate", v.read_link_rate),
     )
     return node, host.read("stepdeploy_profile", _read_profile_name)
 

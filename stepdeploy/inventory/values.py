@@ -63,6 +63,18 @@ def read_count(value: Any) -> int:
     return number
 
 
+MAX_LINK_RATE_GBIT = 3200  # Gb/s: well above any HCA port made so far (XDR is 800)
+
+
+def read_link_rate(value: Any) -> int:
+    """An HCA port's link rate in Gb/s, as `ibstat` prints it (Rate: 400)."""
+    valid = f"use the HCA's link rate in Gb/s as ibstat shows it (e.g. 400 or 200), from 1 to {MAX_LINK_RATE_GBIT}"
+    number = _whole_number(value, valid)
+    if not 1 <= number <= MAX_LINK_RATE_GBIT:
+        raise ValueProblem("is out of range", valid)
+    return number
+
+
 def read_port(value: Any) -> int:
     valid = "use a TCP port from 1 to 65535"
     number = _whole_number(value, valid)

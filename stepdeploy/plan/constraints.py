@@ -107,7 +107,8 @@ def _sequence_parallel(job: Job, lay: Layout) -> str | None:
 
 
 def _context_parallel(job: Job, lay: Layout) -> str | None:
-    if job.seq_length % (2 * lay.cp):
+    # megatron-core checks `seq_length % (2 * context_parallel_size)` only when CP > 1: without CP any length runs
+    if lay.cp > 1 and job.seq_length % (2 * lay.cp):
         return f"sequence {job.seq_length} is not a multiple of 2*CP = {2 * lay.cp} (load-balanced causal CP)"
     return None
 
@@ -162,7 +163,7 @@ RULES: tuple[Rule, ...] = (
     Rule("vpp-needs-pp", "VPP needs PP>1, and PP>2 unless overlap-p2p-comm", _vpp_needs_pp),
     Rule("vpp-microbatches", "with VPP, micro-batches per step >= PP", _vpp_microbatches),
     Rule("sp-needs-tp", "sequence parallel needs TP>1", _sequence_parallel),
-    Rule("cp-sequence", "sequence % (2*CP) == 0", _context_parallel),
+    Rule("cp-sequence", "with CP>1, sequence % (2*CP) == 0", _context_parallel),
     Rule("batch-divides", "global batch % (MBS*DP) == 0", _batch_divides),
     Rule(
         "param-gather",

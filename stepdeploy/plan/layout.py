@@ -38,6 +38,9 @@ class Layout:
     dispatcher: Dispatcher = "alltoall"
     grouped_gemm: bool = True  # grouped experts where the engine has them (ETP 1); False: SequentialMLP
     cross_entropy_fusion: bool = True  # megatron-core's fused vocab-parallel cross entropy (one more fp32 copy)
+    # the routers' expert bias moves towards the mean load each step; off: it stays at zero (the control run that
+    # must still fail expert_load)
+    router_bias_update: bool = True
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
@@ -84,6 +87,17 @@ class Job:
 
     def microbatches(self, layout: Layout) -> int:
         return max(1, self.global_batch_size // (layout.mbs * self.dp(layout)))
+
+
+def check_sequence(spec: ModelSpec, seq_length: int) -> None:
+    """BadInput when `seq_length` is beyond what the model has positions for: megatron-core refuses a sequence
+    longer than max_position_embeddings, and both engines size their position tables by it. `plan` and `render`
+    check it before any search, so such a sequence is bad input (exit 2), never 'no layout fits'."""
+    if seq_length > spec.max_position_embeddings:
+        raise BadInput(f"sequence length {seq_length} exceeds {spec.name}'s max_position_embeddings "
+                       f"{spec.max_position_embeddings}",
+                       hint=f"give --seq {spec.max_position_embeddings} or less (the model's default is "
+                            f"{spec.training.seq_length})")
 
 
 def vpp_group_size(microbatches: int, pp: int) -> int | None:

@@ -14,7 +14,7 @@ from stepdeploy.plan.constraints import RULES
 from stepdeploy.plan.layout import Layout, stage_layer_counts
 from stepdeploy.plan.memory import COMPONENTS, MemoryEstimate
 from stepdeploy.plan.params import LayerParams, ParamCount
-from stepdeploy.plan.search import PlanResult, Verdict
+from stepdeploy.plan.search import BatchCap, PlanResult, Verdict
 
 RULE_SUMMARY = {rule.name: rule.summary for rule in RULES} | {
     "memory": "does not fit in GPU memory",
@@ -270,4 +270,43 @@ def result_dict(result: PlanResult, top: int) -> dict[str, Any]:
         "engine": {"name": engines.DEFAULT_ENGINE,
                    "context_parallel": engines.context_parallel_requirement(result.job.model),
                    "capabilities": engines.explain(engines.DEFAULT_ENGINE, result.job.model)},
+    }
+
+
+def shortfall(memory: MemoryEstimate) -> str:
+    """Why a layout does not fit, in numbers: what its worst stage needs per GPU against what the GPU has (and
+    the budget, the margin kept free), or the host memory its offloaded optimizer state needs."""
+    if not memory.host_fits:
+        worst, host = memory.host_worst, memory.host_capacity or 0.0
+        return (f"its offloaded optimizer state needs {worst.host_offload / GIB:.2f} GiB of host memory per GPU "
+                f"(stage {worst.stage}), the host has {host / GIB:.2f} GiB per GPU")
+    worst = memory.worst
+    return (f"needs {worst.total / GIB:.2f} GiB per GPU (stage {worst.stage}, largest: {worst.largest()}), the GPU "
+            f"has {memory.capacity / GIB:.2f} GiB ({memory.budget / GIB:.2f} GiB with {memory.margin:.0%} kept free)")
+
+
+def batch_cap_text(cap: BatchCap) -> str:
+    """The warning `plan` prints when the global batch caps data parallelism."""
+    now = (f"the best layout it allows, {cap.capped.layout.short()}, runs DP {cap.capped_dp} at MFU "
+           f"{cap.capped.time.mfu:.1%}" if cap.capped is not None and cap.capped.time is not None
+           else "no layout it allows fits")
+    then = cap.uncapped.time.mfu if cap.uncapped.time else 0.0
+    return (f"global batch {cap.global_batch} caps data parallelism on {cap.world:,} GPUs (MBS*DP must divide it): "
+            f"{now}; --gbs {cap.uncapped_batch} (a multiple of the GPU count, so no DP is capped) would run "
+            f"{cap.uncapped.layout.short()} at DP {cap.uncapped_dp}, MFU {then:.1%}")
+
+
+def batch_cap_dict(cap: BatchCap | None) -> dict[str, Any] | None:
+    if cap is None:
+        return None
+    capped = cap.capped
+    return {
+        "global_batch_size": cap.global_batch,
+        "uncapped_global_batch_size": cap.uncapped_batch,
+        "world": cap.world,
+        "capped": None if capped is None else {
+            "layout": capped.layout.short(), "dp": cap.capped_dp, "mfu": capped.time.mfu if capped.time else None},
+        "uncapped": {"layout": cap.uncapped.layout.short(), "dp": cap.uncapped_dp,
+                     "mfu": cap.uncapped.time.mfu if cap.uncapped.time else None},
+        "message": batch_cap_text(cap),
     }

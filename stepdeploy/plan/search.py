@@ -60,6 +60,8 @@ class PlanResult:
     rejected: Counter[str] = field(default_factory=Counter)
     examples: dict[str, Verdict] = field(default_factory=dict)
     smallest_fit: ClusterShape | None = None
+    # structures that only the global batch ruled out (a knob rule: MBS*DP or VPP's micro-batches per step)
+    batch_bound: list[Layout] = field(default_factory=list)
 
     def reject(self, verdict: Verdict, key: str) -> None:
         self.rejected[key] += 1
@@ -186,12 +188,50 @@ def search(
             result.fitting.append(verdict)
         elif verdict.violations:
             result.reject(verdict, verdict.violations[0].rule)
+            if verdict.violations[0].rule in KNOB_RULES:
+                result.batch_bound.append(structure)
         elif verdict.memory is not None and not verdict.memory.host_fits:
             result.reject(verdict, "host-memory")
         else:
             result.reject(verdict, "memory")
     result.fitting.sort(key=_speed, reverse=True)
     return result
+
+
+@dataclass(frozen=True)
+class BatchCap:
+    """The global batch caps data parallelism: every DP divides the GPU count, so a global batch that is a
+    multiple of it (`uncapped_batch`) lets every layout run; at that batch `uncapped` (a layout the job's batch
+    ruled out) beats the best layout the job's batch allows (`capped`, None when none fits)."""
+
+    global_batch: int
+    uncapped_batch: int
+    world: int
+    capped: Verdict | None
+    capped_dp: int | None
+    uncapped: Verdict
+    uncapped_dp: int
+
+
+def batch_cap(spec: ModelSpec, result: PlanResult, hardware: Hardware, margin: float = 0.10) -> BatchCap | None:
+    """What the global batch costs when it caps data parallelism: the layouts it ruled out, judged again at the
+    smallest global batch that is a multiple of the GPU count; None when none of them fits there, or none beats
+    the best layout the job's own batch allows (in MFU: per-GPU work, comparable across batches)."""
+    job, cluster = result.job, result.cluster
+    uncapped_batch = -(-job.global_batch_size // cluster.world) * cluster.world
+    if not result.batch_bound or uncapped_batch == job.global_batch_size:
+        return None
+    params, bigger = count_parameters(spec), replace(job, global_batch_size=uncapped_batch)
+    verdicts = [_best_for_structure(params, bigger, structure, cluster, hardware, margin, False)
+                for structure in result.batch_bound]
+    best = max((v for v in verdicts if v.fits), key=lambda v: v.time.mfu if v.time else 0.0, default=None)
+    capped = result.fitting[0] if result.fitting else None
+    if best is None or best.time is None:
+        return None
+    if capped is not None and capped.time is not None and capped.time.mfu >= best.time.mfu:
+        return None
+    return BatchCap(job.global_batch_size, uncapped_batch, cluster.world, capped,
+                    job.dp(capped.layout) if capped else None, best, bigger.dp(best.layout))
 
 
 def smallest_fitting_cluster(

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from stepdeploy import __version__, corpus, safeio
 from stepdeploy.catalog import ModelSpec, load_hardware, load_model
@@ -22,14 +23,31 @@ from stepdeploy.errors import BadInput, StepdeployError
 from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.plan.cluster import shape_from_cluster
-from stepdeploy.plan.layout import Job, Layout, parse_layout
+from stepdeploy.plan.layout import Job, Layout, check_sequence, parse_layout
 from stepdeploy.plan.params import count_parameters
-from stepdeploy.plan.report import optimizer_assumed
+from stepdeploy.plan.report import optimizer_assumed, shortfall
 from stepdeploy.plan.search import judge, search
 from stepdeploy.render.facts import facts_for
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.run import RenderedRun, load_workload_sources, render_run
 from stepdeploy.render.workload import megatron_runs
+
+# What build_run does with a layout the planner says does not fit: render it and say so in the manifest (the
+# rollout, whose memory gate judges the run), refuse it (`render`, exit 1), or render it marked forced (--force).
+Misfit = Literal["allow", "refuse", "force"]
+
+
+def plan_hint(cluster: Cluster, spec: ModelSpec, seq: int, gbs: int, layout: Layout | None = None) -> str:
+    """The `stepdeploy plan` command for this very job: the inventory's path, and the sequence, batch and layout
+    where they are not the model's defaults."""
+    words = ["stepdeploy", "plan", "-m", spec.name, "-i", str(cluster.source)]
+    if seq != spec.training.seq_length:
+        words += ["--seq", str(seq)]
+    if gbs != spec.training.global_batch_size:
+        words += ["--gbs", str(gbs)]
+    if layout is not None:
+        words += ["--layout", layout.short()]
+    return shlex.join(words)
 
 
 def engine_layout(layout: Layout) -> Layout:
@@ -57,7 +75,7 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
         if verdict.violations:
             reasons = "; ".join(f"[{v.rule}] {v.reason}" for v in verdict.violations)
             raise BadInput(f"layout {given.short()} cannot run: {reasons}",
-                           hint=f"stepdeploy plan -m {spec.name} -i INVENTORY")
+                           hint=plan_hint(cluster, spec, seq, gbs))
     else:
         result = search(spec, shape, hardware, seq, gbs)
         # The planner offers only what the megatron engine runs (plan/engines.py); the filter stays as a guard.
@@ -66,9 +84,11 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
         runnable = sorted((v for v in runnable if v.fits), key=lambda v: -v.time.tokens_per_second)
         if not runnable:
             raise StepdeployError(f"no layout of {spec.name} that the megatron engine runs fits on "
-                                  f"{shape.describe()}", hint=f"stepdeploy plan -m {spec.name} -i INVENTORY")
+                                  f"{shape.describe()}", hint=plan_hint(cluster, spec, seq, gbs))
         verdict = runnable[0]
     summary: dict[str, Any] = {"planner": "chosen" if given is None else "given", "fits": verdict.fits}
+    if verdict.memory and not verdict.fits:
+        summary["shortfall"] = shortfall(verdict.memory)
     if verdict.memory and verdict.time:
         summary |= {"worst_stage_gib": round(verdict.memory.worst.total / 2**30, 2),
                     # what torch.cuda.max_memory_allocated should read: the rollout's memory gate compares
@@ -110,33 +130,41 @@ def write_run(rendered: RenderedRun, out_dir: Path) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(item.content)
             path.chmod(0o755 if item.executable else 0o644)
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(tmp, out_dir)
+        os.replace(tmp, out_dir)  # rename(2): atomic, onto an empty directory too (check_out_dir allowed no other)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def build(inventory: str, model: str, layout: str | None, opts: RenderOptions,
-          facts_dir: Path | None = None) -> RenderedRun:
-    """`stepdeploy render`: the run of `model` on every node of `inventory` (see build_run; writes nothing)."""
-    rendered, _summary = build_run(load_cluster(inventory), load_model(model), layout, opts, facts_dir=facts_dir)
+          facts_dir: Path | None = None, force: bool = False) -> RenderedRun:
+    """`stepdeploy render`: the run of `model` on every node of `inventory` (see build_run; writes nothing). A
+    layout that does not fit is refused unless `force`."""
+    rendered, _summary = build_run(load_cluster(inventory), load_model(model), layout, opts, facts_dir=facts_dir,
+                                   on_misfit="force" if force else "refuse")
     return rendered
 
 
 def build_run(cluster: Cluster, spec: ModelSpec, layout: str | None, opts: RenderOptions, *,
-              facts_dir: Path | None = None, inputs: dict[str, Any] | None = None,
+              facts_dir: Path | None = None, inputs: dict[str, Any] | None = None, on_misfit: Misfit = "allow",
               ) -> tuple[RenderedRun, dict[str, Any]]:
     """The one render path (the CLI's `render` and every rollout attempt): the layout chosen or judged, the
     peak TFLOPS of the nodes' GPU, the NCCL facts provisioning saved (`facts_dir`, else the inventory's default
     facts directory when it exists) and the prepared dataset, rendered into the text of every file. `inputs`:
-    more for the manifest's inputs (the rollout's rung). Returns the run and the planner's summary of its layout;
-    writes nothing."""
-    facts = facts_for(cluster.source, [node.name for node in cluster.nodes], facts_dir)
+    more for the manifest's inputs (the rollout's rung); `on_misfit`: what a layout that does not fit gets (Misfit).
+    Returns the run and the planner's summary of its layout; writes nothing."""
     seq = opts.seq_length or spec.training.seq_length
+    check_sequence(spec, seq)  # before the search: too long a sequence is bad input, not 'no layout fits'
+    facts = facts_for(cluster.source, [node.name for node in cluster.nodes], facts_dir)
     gbs = opts.global_batch_size or spec.training.global_batch_size
     chosen, summary = choose_layout(cluster, spec, layout, seq, gbs)
+    if summary.get("fits") is False and on_misfit != "allow":
+        if on_misfit == "refuse":
+            raise StepdeployError(f"layout {chosen.short()} does not fit on {shape_from_cluster(cluster).describe()}: "
+                                  f"{summary['shortfall']}",
+                                  hint=f"{plan_hint(cluster, spec, seq, gbs, chosen)}; or render it anyway with "
+                                       "--force (the manifest records it)")
+        summary["forced"] = True
     peak = None
     if cluster.nodes[0].gpus_per_node and cluster.nodes[0].gpu_model:
         peak = load_hardware().peak_tflops(shape_from_cluster(cluster).gpu)

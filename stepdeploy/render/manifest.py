@@ -7,6 +7,7 @@ through `Manifest` (the fields it uses, typed)."""
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +18,20 @@ from stepdeploy import safeio
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import ExecutorKind
 
-HINT = "stepdeploy render -i INVENTORY -m MODEL --out runs/r1"
+HINT = "stepdeploy render -i INVENTORY -m MODEL --out runs/r1"  # where the manifest does not say what it was
+
+
+def render_hint(data: Any, run_dir: Path) -> str:
+    """The render that writes `run_dir` again, from the inventory and model its manifest names (`data`: the
+    file as read, checked or not) into a new sibling directory; HINT where the manifest does not name them."""
+    inputs = data.get("inputs") if isinstance(data, dict) else None
+    inventory = inputs.get("inventory") if isinstance(inputs, dict) else None
+    model = inputs.get("model") if isinstance(inputs, dict) else None
+    path = inventory.get("path") if isinstance(inventory, dict) else None
+    name = model.get("name") if isinstance(model, dict) else None
+    if not (isinstance(path, str) and path and isinstance(name, str) and name):
+        return HINT
+    return shlex.join(["stepdeploy", "render", "-i", path, "-m", name, "--out", f"{run_dir.resolve()}-2"])
 
 
 class _Open(BaseModel):
@@ -151,10 +165,11 @@ def _checked(run_dir: Path) -> dict[str, Any]:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "(top level)"
         raise BadInput(f"{path}: {where}: {first['msg']}; not a manifest `stepdeploy render` wrote",
-                       hint=HINT) from None
+                       hint=render_hint(data, run_dir)) from None
     if manifest.executor == "slurm" and manifest.slurm is None:
-        raise BadInput(f"{path}: executor slurm without its slurm section; render the run again", hint=HINT)
+        raise BadInput(f"{path}: executor slurm without its slurm section; render the run again",
+                       hint=render_hint(data, run_dir))
     names = [node.name for node in manifest.nodes]
     if len(set(names)) != len(names):
-        raise BadInput(f"{path}: names a node twice; render the run again", hint=HINT)
+        raise BadInput(f"{path}: names a node twice; render the run again", hint=render_hint(data, run_dir))
     return data
