@@ -143,6 +143,7 @@ def _parallel(layout: Layout, num_layers: int) -> dict[str, Any]:
         # megatron engine's MoE experts: torch._grouped_mm (experts_grouped.py, ETP 1 only) or SequentialMLP
         "experts": "grouped_mm" if layout.grouped_experts else "sequential",
         "cross_entropy_fusion": layout.cross_entropy_fusion,
+        **({} if layout.router_bias_update else {"router_bias_update": False}),  # the engines' default: on
         "first_stage_layers": first,
         "last_stage_layers": last,
         "overlap_p2p_comm": layout.overlap_p2p_comm,

@@ -78,7 +78,7 @@ def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
             "moe_router_enable_expert_bias": moe["router_expert_bias"],
             "moe_token_dispatcher_type": p["dispatcher"] if p["dispatcher"] != "flex" else "alltoall",
             "moe_grouped_gemm": False,
-        } | load_balancing_kwargs(moe)
+        } | load_balancing_kwargs(moe, router_bias_update(p))
         if moe["router_scaling_factor"]:
             kwargs["moe_router_topk_scaling_factor"] = moe["router_scaling_factor"]
         if moe.get("router_fp32"):
@@ -86,11 +86,23 @@ def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def load_balancing_kwargs(moe: dict[str, Any]) -> dict[str, Any]:
+def router_bias_update(p: dict[str, Any]) -> bool:
+    """workload.json `parallel.router_bias_update` (default on): off, the expert bias stays at zero -- the routers
+    still choose with it (so the model, its checkpoints and the all-reduce are unchanged) but finalize_model_grads
+    moves it by 0 x sign(...). For control runs: what the load does without the update."""
+    value = p.get("router_bias_update", True)
+    if isinstance(value, str):
+        value = value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)
+
+
+def load_balancing_kwargs(moe: dict[str, Any], bias_update: bool = True) -> dict[str, Any]:
     """megatron's auxiliary loss (aux_loss_coeff; 0: none), and with `expert_bias` the router bias that
-    finalize_model_grads moves after every step by rate x sign(mean load - load) (the slice has both: catalog)."""
+    finalize_model_grads moves after every step by rate x sign(mean load - load) (the slice has both: catalog);
+    `bias_update` False holds that bias at zero (rate 0: router_bias_update)."""
     coeff = moe.get("aux_loss_coeff", 1e-2)
-    bias = {"moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": moe["bias_update_rate"]}
+    rate = moe["bias_update_rate"] if bias_update else 0.0
+    bias = {"moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": rate}
     return {"moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none", "moe_aux_loss_coeff": coeff} | (
         bias if moe.get("load_balancing", "aux_loss") == "expert_bias" else {})
 
@@ -223,6 +235,9 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     params = sum(q.numel() for q in model.parameters())
     log(rank, f"megatron engine: {params:,} parameters on this rank, world {world}, DP {dp}, "
               f"{micro_batches} micro-batch(es) of {mbs}x{seq}, layout {p}")
+    if config.moe_router_enable_expert_bias:
+        log(rank, f"router expert bias: update rate {config.moe_router_bias_update_rate}"
+                  + ("" if router_bias_update(p) else " (parallel.router_bias_update off: the bias stays at zero)"))
     m = cfg["model"]
     stats = moe_stats.RouterStats(m["num_layers"] + (m.get("mtp_num_layers") or 0), m["moe"]["num_experts"],
                                   m["moe"]["topk"], "cuda", micro_batches) if m["moe"] else None

@@ -198,6 +198,9 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     model = Decoder(m)
     stats = watch_routers(model, m)
     moes = [block.ffn for block in model.blocks if isinstance(block.ffn, Moe)]
+    if not cfg.get("parallel", {}).get("router_bias_update", True):  # --layout router_bias_update=off: a control
+        for ffn in moes:
+            ffn.bias_rate = 0.0
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=train_cfg["lr"], weight_decay=0.01)
     files.phase("model")
