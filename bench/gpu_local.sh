@@ -9,7 +9,7 @@
 # the MoE proxy under megatron-core options (MOE_VARIANTS). Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout densedata moe moeproxy firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -96,6 +96,28 @@ find /tmp/local-first -name 'first-step-rank*.json' -path '*fetched*' -exec cp -
 printf '%s\n' "$keep"/first-step*
 fi
 
+if [[ $steps == *" slicebpe "* ]]; then
+# issue 35: the Step-3.5-Flash slice on BPE-tokenized text, not bytes: a BPE of 16,384 tokens trained on this
+# checkout's docs and the Python standard library's own sources (code and English, nothing downloaded), at the
+# published auxiliary loss (Megatron-Bridge's step35: 1e-3, through megatron-core's own option) with one kill; then
+# the control, the expert bias frozen (--layout router_bias_update=off, the planner's layout otherwise), which must
+# still fail expert_load
+stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+mapfile -t sources < <(find "$stdlib" -name '*.py' -not -path '*site-packages*' -not -path '*/test*' | sort)
+rm -rf /tmp/bpe
+python3 -m stepdeploy data prepare README.md docs "${sources[@]}" --train-tokenizer 16384 --out /tmp/bpe/corpus \
+    --json > "$keep/bpe.json" 2> "$keep/bpe.log"
+echo "data prepare exit $?: $(tail -n 1 "$keep/bpe.log")"
+slice_soak=(-m step-3.5-flash-slice-1gpu --stages "warmup,soak" --warmup-iterations 6
+            --soak-duration "${SLICE_SOAK:-300s}" --checkpoint-interval 60 --keep-checkpoints 1 --data /tmp/bpe/corpus
+            --env 'STEPDEPLOY_MCORE_OVERRIDES={"moe_aux_loss_coeff":0.001}')
+local_rollout local-slicebpe "${SLICE_TIMEOUT:-560}" "${slice_soak[@]}" --inject kill:rank=0@150s
+[[ $steps == *" slicecontrol "* ]] && local_rollout local-slicecontrol "${SLICE_TIMEOUT:-560}" "${slice_soak[@]}" \
+    --layout mbs=4,optimizer=fused,router_bias_update=off
+find /tmp/local-slice* -name metrics.jsonl -path '*soak*fetched*' | while read -r m; do
+    cp "$m" "$keep/$(echo "$m" | cut -d/ -f3)-soak-metrics.jsonl"; done
+fi
+
 moe_run() {  # NAME ITERS WARMUP [render options...]: the MoE proxy rendered for ITERS iterations whose lr ramps from
              # peak/W over W = WARMUP iterations (render + run launch, no checkpoint); its metrics (moe_load per
              # layer, megatron's aux loss, grad norm) in $keep/NAME-metrics.jsonl and a line per step on stdout
@@ -143,6 +165,6 @@ done
 fi
 
 runs=()
-for run in local-dense local-densedata local-moe local-moeproxy local-first local-moewarm; do [ -d "/tmp/$run" ] && runs+=("$run"); done
+for run in local-dense local-densedata local-moe local-moeproxy local-slicebpe local-slicecontrol local-first local-moewarm; do [ -d "/tmp/$run" ] && runs+=("$run"); done
 for dir in /tmp/local-moe-*; do [ -d "$dir" ] && runs+=("${dir#/tmp/}"); done
 tar -czf "$out/local.tgz" -C /tmp --exclude='checkpoints' --exclude='*.pt' local-out "${runs[@]}"

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD_INPUTS = ("pyproject.toml", "README.md", "stepdeploy")  # what setuptools reads to build the wheel
+# what setuptools reads to build the wheel (inventory/ and docs/ ship as stepdeploy/seed/: pyproject.toml)
+BUILD_INPUTS = ("pyproject.toml", "README.md", "stepdeploy", "inventory", "docs")
 SCRIPTS_OF = ("ansible-core", "ansible-runner")  # dependencies whose console scripts stepdeploy runs
 
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stepdeploy import safeio
+from stepdeploy import safeio, seed
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.ansible_source import YAML_SUFFIXES, RawHost, read_inventory
 from stepdeploy.inventory.model import Cluster, Node, SlurmSettings
@@ -23,6 +23,11 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     variable, what was wrong and what is valid; no other exception escapes.
     """
     try:
+        shipped = seed.shipped_inventory(path)  # a help example's inventory/dgx.ini, run outside a checkout
+        if shipped is not None:
+            cluster = _load(shipped)
+            note = f"{path} is not here: using the copy shipped with stepdeploy, {shipped} (copy it to edit it)"
+            return cluster.model_copy(update={"warnings": [note, *cluster.warnings]})
         return _load(Path(path))
     except BadInput as exc:
         raise BadInput(_printable(exc.message), hint=exc.hint) from None

@@ -64,7 +64,8 @@ def test_every_group_is_covered() -> None:
     (["run", "stop", "somewhere", "--grace", "inf"], "--grace"),
     (["preflight", "--local", "--sizes", "1T"], "--sizes"),
     (["preflight", "--local", "--timeout", "nan"], "--timeout"),
-    (["demo", "--soak-duration", "forever"], "duration"),
+    (["demo", "--soak-iterations", "forever"], "--soak-iterations"),
+    (["demo", "--soak-iterations", "5"], "--soak-iterations"),
 ])
 def test_bad_options_are_one_error_line(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     started = time.monotonic()

@@ -14,12 +14,18 @@ INVENTORY = ("[cpu]\nn1 ansible_host=192.0.2.1\nn2 ansible_host=192.0.2.2\n[cpu:
              "stepdeploy_profile=sim-cpu\n")
 
 
-def _source_files() -> set[str]:
-    """Every file of the package in this checkout, as the wheel names it (bytecode and hidden caches aside)."""
-    package = REPO / "stepdeploy"
-    return {p.relative_to(REPO).as_posix() for p in package.rglob("*")
+def _files(top: Path) -> set[str]:
+    """Every file under `top` (bytecode and hidden caches aside), relative to it."""
+    return {p.relative_to(top).as_posix() for p in top.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
-            and not any(part.startswith(".") for part in p.relative_to(package).parts)}
+            and not any(part.startswith(".") for part in p.relative_to(top).parts)}
+
+
+def _source_files() -> set[str]:
+    """Every file of the package in this checkout, as the wheel names it, and the top-level inventory/ and docs/
+    it ships as stepdeploy/seed/ (pyproject.toml's package-dir)."""
+    return ({f"stepdeploy/{name}" for name in _files(REPO / "stepdeploy")}
+            | {f"stepdeploy/seed/{top}/{name}" for top in ("inventory", "docs") for name in _files(REPO / top)})
 
 
 def test_the_wheel_holds_every_file_of_the_package_and_nothing_else(wheel_install: InstalledWheel) -> None:
@@ -31,6 +37,26 @@ def test_the_wheel_holds_every_file_of_the_package_and_nothing_else(wheel_instal
                     "stepdeploy/ansible/roles/common/meta/argument_specs.yml",
                     "stepdeploy/ansible/roles/slurm/templates/slurm.conf.j2"):
         assert shipped in in_wheel
+
+
+def test_the_help_examples_and_the_demos_files_work_outside_a_checkout(wheel_install: InstalledWheel,
+                                                                      tmp_path: Path) -> None:
+    """A user of the wheel has no checkout: `inventory/dgx.ini` in the help examples is the seed inventory the
+    package ships, and the demo trains on the docs it ships."""
+    shown = wheel_install.run(wheel_install.stepdeploy, "inventory", "show", "inventory/dgx.ini", "--json",
+                              cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "dgx-01" in shown.stdout and "using the copy shipped with stepdeploy" in shown.stderr
+    example = wheel_install.run(wheel_install.stepdeploy, "render", "--help", cwd=tmp_path).stdout
+    argv = example.split("Example: stepdeploy ", 1)[1].split()
+    rendered = wheel_install.run(wheel_install.stepdeploy, *argv, cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stdout + rendered.stderr
+    assert (tmp_path / "runs/r1/manifest.json").is_file()
+    where = wheel_install.run(wheel_install.python, "-c", "from stepdeploy.cli import demo; "
+                              "print(demo.SEED_INVENTORY); print(demo.DEMO_TEXT)", cwd=tmp_path)
+    seed_inventory, text = (Path(line) for line in where.stdout.split())
+    assert seed_inventory.is_file() and wheel_install.venv in seed_inventory.parents
+    assert wheel_install.venv in text.parents and len(list(text.glob("*.md"))) >= 10
 
 
 def test_the_venv_imports_the_wheel_not_this_checkout(wheel_install: InstalledWheel, tmp_path: Path) -> None:

@@ -495,9 +495,9 @@ def sim_case(draw: st.DrawFn) -> Case:
 
 @st.composite
 def demo_case(draw: st.DrawFn) -> Case:
-    bad = draw(st.sampled_from(["--nodes", "--soak-duration"]))  # never a demo that would start
+    bad = draw(st.sampled_from(["--nodes", "--soak-iterations"]))  # never a demo that would start
     argv = ["demo", bad, draw(st.sampled_from(["0", "-1", "65", "x", "", "nan"] if bad == "--nodes"
-                                              else ["x", "", "5 m", "-1s", "1e3s"]))]
+                                              else ["x", "", "19", "-1", "1e3", "100001"]))]
     argv += options(draw, {"--runs": st.sampled_from(OUT_PATHS), "--keep": None})
     return Case(argv)
 

@@ -40,3 +40,19 @@ def test_a_zero_rate_leaves_the_bias_where_megatrons_update_would_move_it() -> N
     for rate, expected in ((1e-3, [-1e-3, 1e-3, 1e-3, 1e-3]), (0.0, [0.0, 0.0, 0.0, 0.0])):
         offset = counts.sum(dim=-1, keepdim=True) / counts.shape[-1] - counts
         assert (bias + torch.sign(offset) * rate).flatten().tolist() == pytest.approx(expected)
+
+
+def test_render_writes_the_switch_only_when_it_is_off() -> None:
+    """`--layout router_bias_update=off` reaches workload.json; the default leaves the rendering as it was."""
+    from stepdeploy.catalog import load_model
+    from stepdeploy.plan.layout import parse_layout
+    from stepdeploy.render.options import RenderOptions
+    from stepdeploy.render.workload import workload_config
+
+    def parallel(layout_text: str) -> dict:
+        cfg = workload_config(load_model("tiny-moe"), parse_layout(layout_text), RenderOptions(run_id="t"),
+                              engine="torch", world=1, peak_tflops=None)
+        return cfg["parallel"]
+
+    assert parallel("router_bias_update=off")["router_bias_update"] is False
+    assert "router_bias_update" not in parallel("mbs=1")
