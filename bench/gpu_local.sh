@@ -96,22 +96,31 @@ find /tmp/local-first -name 'first-step-rank*.json' -path '*fetched*' -exec cp -
 printf '%s\n' "$keep"/first-step*
 fi
 
+prepare_bpe() {  # a BPE of 16,384 tokens trained on this checkout's docs and the Python standard library's own
+                 # sources (code and English, ~2.7M tokens, nothing downloaded) in /tmp/bpe/corpus
+    local stdlib sources
+    stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+    mapfile -t sources < <(find "$stdlib" -name '*.py' -size +0 -not -path '*site-packages*' -not -path '*/test*' \
+                           | sort)
+    rm -rf /tmp/bpe
+    python3 -m stepdeploy data prepare README.md docs "${sources[@]}" --train-tokenizer 16384 \
+        --out /tmp/bpe/corpus --json > "$keep/bpe.json" 2> "$keep/bpe.log"
+    echo "data prepare exit $?: $(tail -n 1 "$keep/bpe.log")"
+}
+
 if [[ $steps == *" slicebpe "* ]]; then
-# issue 35: the Step-3.5-Flash slice on BPE-tokenized text, not bytes: a BPE of 16,384 tokens trained on this
-# checkout's docs and the Python standard library's own sources (code and English, nothing downloaded), at the
-# published auxiliary loss (Megatron-Bridge's step35: 1e-3, through megatron-core's own option) with one kill; then
-# the control, the expert bias frozen (--layout router_bias_update=off, the planner's layout otherwise), which must
-# still fail expert_load
-stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
-mapfile -t sources < <(find "$stdlib" -name '*.py' -not -path '*site-packages*' -not -path '*/test*' | sort)
-rm -rf /tmp/bpe
-python3 -m stepdeploy data prepare README.md docs "${sources[@]}" --train-tokenizer 16384 --out /tmp/bpe/corpus \
-    --json > "$keep/bpe.json" 2> "$keep/bpe.log"
-echo "data prepare exit $?: $(tail -n 1 "$keep/bpe.log")"
-slice_soak=(-m step-3.5-flash-slice-1gpu --stages "warmup,soak" --warmup-iterations 6
-            --soak-duration "${SLICE_SOAK:-300s}" --checkpoint-interval 60 --keep-checkpoints 1 --data /tmp/bpe/corpus
+# issue 35: the Step-3.5-Flash slice on BPE-tokenized text, not bytes, at the published auxiliary loss
+# (Megatron-Bridge's step35: 1e-3, through megatron-core's own option) with one kill; then the control, the expert
+# bias frozen (--layout router_bias_update=off, the planner's layout otherwise), which must still fail expert_load
+prepare_bpe
+# SLICE_STAGES=soak, SLICE_CKPT=100000, SLICE_KILL="": the longest soak one call holds (no warm-up, saves or kill)
+slice_soak=(-m step-3.5-flash-slice-1gpu --stages "${SLICE_STAGES:-warmup,soak}" --warmup-iterations 6
+            --soak-duration "${SLICE_SOAK:-300s}" --checkpoint-interval "${SLICE_CKPT:-60}" --keep-checkpoints 1
+            --data /tmp/bpe/corpus
             --env 'STEPDEPLOY_MCORE_OVERRIDES={"moe_aux_loss_coeff":0.001}')
-local_rollout local-slicebpe "${SLICE_TIMEOUT:-560}" "${slice_soak[@]}" --inject kill:rank=0@150s
+kill_at=()
+[ -n "${SLICE_KILL-kill:rank=0@150s}" ] && kill_at=(--inject "${SLICE_KILL-kill:rank=0@150s}")
+local_rollout local-slicebpe "${SLICE_TIMEOUT:-560}" "${slice_soak[@]}" "${kill_at[@]}"
 [[ $steps == *" slicecontrol "* ]] && local_rollout local-slicecontrol "${SLICE_TIMEOUT:-560}" "${slice_soak[@]}" \
     --layout mbs=4,optimizer=fused,router_bias_update=off
 find /tmp/local-slice* -name metrics.jsonl -path '*soak*fetched*' | while read -r m; do
@@ -124,7 +133,7 @@ moe_run() {  # NAME ITERS WARMUP [render options...]: the MoE proxy rendered for
     local name=$1 iters=$2 warmup=$3 run=/tmp/local-$1 started=$SECONDS rc=0
     shift 3
     rm -rf "$run"
-    python3 -m stepdeploy render -i "$inv" -m proxy-0.7b-moe --stage warmup --iterations "$iters" \
+    python3 -m stepdeploy render -i "$inv" -m "${MOE_MODEL:-proxy-0.7b-moe}" --stage warmup --iterations "$iters" \
         --warmup-iterations "$warmup" --save-interval 0 --run-id "$name-$(date -u +%H%M%S)" "$@" \
         --out "$run" > "$keep/$name-render.log" 2>&1 || echo "render failed: $(tail -n 3 "$keep/$name-render.log")"
     timeout "${MOE_RUN_TIMEOUT:-170}" python3 -m stepdeploy run launch "$run" --executor local --follow \
@@ -157,7 +166,9 @@ if [[ $steps == *" moevariants "* ]]; then
 # the catalog's configuration), each run MOE_VARIANT_ITERS iterations with a warm-up of MOE_VARIANT_WARMUP.
 # MOE_RENDER_ARGS: more render options for every variant, e.g. "--layout grouped_gemm=false" (megatron-core's
 # SequentialMLP instead of the engine's grouped experts: rules the engine's own expert kernels in or out)
+# MOE_MODEL: another MoE model (e.g. step-3.5-flash-slice-1gpu); MOE_BPE=1: on prepare_bpe's data (--data /tmp/bpe/corpus)
 read -ra render_args <<< "${MOE_RENDER_ARGS:-}"
+if [ "${MOE_BPE:-0}" = 1 ]; then prepare_bpe; render_args+=(--data /tmp/bpe/corpus); fi
 for variant in ${MOE_VARIANTS:-catalog={\}}; do
     moe_run "moe-${variant%%=*}" "${MOE_VARIANT_ITERS:-40}" "${MOE_VARIANT_WARMUP:-2}" \
         --env "STEPDEPLOY_MCORE_OVERRIDES=${variant#*=}" "${render_args[@]}"

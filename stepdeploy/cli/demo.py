@@ -31,8 +31,8 @@ SEED_INVENTORY = seed_path("inventory/dgx.ini")
 DEMO_TEXT = seed_path("docs")
 DEMO_VOCAB = 4096  # the BPE's tokens: within tiny-moe's vocabulary of 8,192
 WAIT: list[str] = []  # a pause between launching the hand-rendered run and reading its logs
-LAUNCH_SECONDS = 20
-SOAK_ITERATIONS = 120
+LAUNCH_SECONDS = 10  # the launched run's start-up is ~6 s on 2 cores: a few steps to show
+SOAK_ITERATIONS = 80
 # The simulated nodes share this machine's cores: two ranks cannot scale like two GPUs, so the demo's scaling gate
 # is set for that (a real cluster keeps the default 0.7); small sequences keep it quick.
 DEMO_ROLLOUT = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "5", "--scale-iterations", "10",
@@ -117,7 +117,9 @@ def proved(run_dir: Path, nodes: int, took_s: float) -> list[str]:
 
 def _step(number: int, args: list[str]) -> None:
     err.rule(f"{number}. stepdeploy {' '.join(args)}", align="left")
+    started = time.monotonic()
     code = subprocess.call([sys.executable, "-m", "stepdeploy", *args])
+    info(f"step {number} took {time.monotonic() - started:.1f} s")
     # The plan step judges the seed's 16-GPU DGX pair, where the target may not fit: its exit 1 is a verdict.
     if code != 0 and not (args[0] == "plan" and code == 1):
         raise StepdeployError(f"demo step {number} (stepdeploy {args[0]}) exited {code}")
