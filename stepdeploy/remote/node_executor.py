@@ -109,9 +109,25 @@ class NodeExecutor:
             return NodeResult(target.name, False, f"unreachable: {_error(exc)}")
 
         if not self.one_machine:
-            return self._each(work, failed)
+            refused = self._reach_every_node()
+            return refused if refused else self._each(work, failed)
         # every node is this machine, in one run directory: one upload at a time (the later ones find it there)
         return [result for target in self.targets for result in self._each(work, failed, [target])]
+
+    def _reach_every_node(self) -> list[NodeResult]:
+        """Every node answers (its host key verified, its shell running) before anything is written on any: a node
+        whose key contradicts known_hosts, or that does not answer, leaves every node as it was. [] when all do."""
+        def work(target: Target) -> NodeResult:
+            ran = self._sh(target, "true")
+            return NodeResult(target.name, ran.ok, "" if ran.ok else f"exited {ran.rc}: {ran.stderr.strip()[:200]}")
+
+        answers = self._each(work, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
+        bad = [a for a in answers if not a.ok]
+        if not bad:
+            return []
+        names = ", ".join(a.node for a in bad)
+        return [a if not a.ok else NodeResult(a.node, False, f"nothing written: {names} could not be reached")
+                for a in answers]
 
     def _upload(self, target: Target, payload: bytes, digest: str) -> NodeResult:
         run_dir, parent = self.run_dir, str(Path(self.run_dir).parent)

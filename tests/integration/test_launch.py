@@ -131,3 +131,22 @@ def test_killed_rank_is_named_and_its_peer_exits_within_the_timeout(sdrun: SimCo
         stops = executor.stop(grace_s=5)  # node2's torchrun agent may wait on the dead rank's store: killed
         assert all(s.ok for s in stops), stops
         no_run_processes(executor)
+
+
+def test_a_changed_host_key_on_one_node_leaves_every_node_unwritten(sdrun: SimConfig, tmp_path: Path) -> None:
+    """Issue 36: node2's key in known_hosts is node1's (as after a node was replaced or an address taken over). The
+    upload used to write node1 as root before node2 was refused; every node must be reached first."""
+    run = rendered(sdrun, tmp_path, "hostkey-1", iterations=10)
+    entries = [line.split(" ", 1) for line in sdrun.known_hosts.read_text().splitlines() if line.strip()]
+    (first_host, first_key), (second_host, _) = entries[0], entries[1]
+    tampered = tmp_path / "known_hosts"
+    tampered.write_text(f"{first_host} {first_key}\n{second_host} {first_key}\n")
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text(sdrun.inventory.read_text().replace(str(sdrun.known_hosts), str(tampered)))
+    with executor_for(run, str(inventory)) as executor:
+        results = {r.node: r for r in executor.prepare(run)}
+    assert not any(r.ok for r in results.values()), results
+    assert "nothing written" in results["node1"].detail and "node2" in results["node1"].detail
+    with executor_for(run, None) as honest:  # the real known_hosts: look on node1 for anything of the upload
+        found = honest.targets[0].channel.run(f"ls -d {honest.run_dir}* 2>/dev/null | wc -l")
+    assert found.rc == 0 and found.stdout.strip() == "0", found.stdout
