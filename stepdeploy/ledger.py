@@ -11,12 +11,14 @@ not finite (a NaN loss) is stored as NULL with `nonfinite` saying what it was, s
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
 import os
 import socket
 import sqlite3
+import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,78 +28,25 @@ from typing import Any
 
 from stepdeploy import safeio
 from stepdeploy.errors import BadInput, StepdeployError
+from stepdeploy.ledger_schema import (
+    ATTEMPT_STATES,
+    FINAL,
+    MIGRATE_1,
+    RUN_STATES,
+    SCHEMA,
+    SCHEMA_VERSION,
+    STAGE_STATES,
+    NotALedger,
+    check_ledger,
+)
 
-SCHEMA_VERSION = 2  # 2: metrics.value may be NULL, with metrics.nonfinite ('nan', 'inf', '-inf')
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS runs (
-    id TEXT PRIMARY KEY, created REAL NOT NULL, updated REAL NOT NULL, status TEXT NOT NULL,
-    config TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS stages (
-    run_id TEXT NOT NULL, name TEXT NOT NULL, position INTEGER NOT NULL, status TEXT NOT NULL,
-    started REAL, finished REAL, reason TEXT, PRIMARY KEY (run_id, name));
-CREATE TABLE IF NOT EXISTS rungs (
-    run_id TEXT NOT NULL, stage TEXT NOT NULL, name TEXT NOT NULL, position INTEGER NOT NULL,
-    status TEXT NOT NULL, config TEXT NOT NULL, reason TEXT, PRIMARY KEY (run_id, stage, name));
-CREATE TABLE IF NOT EXISTS attempts (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, stage TEXT NOT NULL, rung TEXT NOT NULL,
-    number INTEGER NOT NULL, status TEXT NOT NULL, started REAL NOT NULL, finished REAL,
-    detail TEXT NOT NULL DEFAULT '{}');
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, ts REAL NOT NULL, stage TEXT, rung TEXT,
-    kind TEXT NOT NULL, message TEXT NOT NULL, data TEXT NOT NULL DEFAULT '{}');
-CREATE TABLE IF NOT EXISTS verdicts (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, ts REAL NOT NULL, stage TEXT NOT NULL,
-    rung TEXT NOT NULL, gate TEXT NOT NULL, passed INTEGER NOT NULL, measured TEXT NOT NULL,
-    threshold TEXT NOT NULL, reason TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS metrics (
-    run_id TEXT NOT NULL, attempt_id INTEGER NOT NULL, ts REAL NOT NULL, rank INTEGER NOT NULL,
-    iteration INTEGER NOT NULL, name TEXT NOT NULL, value REAL, nonfinite TEXT);
-CREATE INDEX IF NOT EXISTS metrics_by_attempt ON metrics (attempt_id, name, iteration);
-"""
-# Version 1's metrics table held finite values only (value REAL NOT NULL); version 2 rebuilds it.
-_MIGRATE_1 = """
-ALTER TABLE metrics RENAME TO metrics_v1;
-CREATE TABLE metrics (
-    run_id TEXT NOT NULL, attempt_id INTEGER NOT NULL, ts REAL NOT NULL, rank INTEGER NOT NULL,
-    iteration INTEGER NOT NULL, name TEXT NOT NULL, value REAL, nonfinite TEXT);
-INSERT INTO metrics SELECT run_id, attempt_id, ts, rank, iteration, name, value, NULL FROM metrics_v1;
-DROP TABLE metrics_v1;
-DROP INDEX IF EXISTS metrics_by_attempt;
-CREATE INDEX metrics_by_attempt ON metrics (attempt_id, name, iteration);
-"""
-_NUMBER, _TEXT, _INT = ("real", "integer"), ("text",), ("integer",)
-# What every column must hold (SQLite stores any type anywhere): checked when a ledger is opened, so that the
-# report and the controller never meet a string where a time should be, or a detail that is not JSON.
-_COLUMNS: dict[str, dict[str, tuple[str, ...]]] = {
-    "meta": {"key": _TEXT, "value": _TEXT},
-    "runs": {"id": _TEXT, "created": _NUMBER, "updated": _NUMBER, "status": _TEXT, "config": ("json",)},
-    "stages": {"run_id": _TEXT, "name": _TEXT, "position": _INT, "status": _TEXT, "started": (*_NUMBER, "null"),
-               "finished": (*_NUMBER, "null"), "reason": (*_TEXT, "null")},
-    "rungs": {"run_id": _TEXT, "stage": _TEXT, "name": _TEXT, "position": _INT, "status": _TEXT,
-              "config": ("json",), "reason": (*_TEXT, "null")},
-    "attempts": {"id": _INT, "run_id": _TEXT, "stage": _TEXT, "rung": _TEXT, "number": _INT, "status": _TEXT,
-                 "started": _NUMBER, "finished": (*_NUMBER, "null"), "detail": ("json",)},
-    "events": {"id": _INT, "run_id": _TEXT, "ts": _NUMBER, "stage": (*_TEXT, "null"), "rung": (*_TEXT, "null"),
-               "kind": _TEXT, "message": _TEXT, "data": ("json",)},
-    "verdicts": {"id": _INT, "run_id": _TEXT, "ts": _NUMBER, "stage": _TEXT, "rung": _TEXT, "gate": _TEXT,
-                 "passed": _INT, "measured": ("jsonany",), "threshold": ("jsonany",), "reason": _TEXT},
-    "metrics": {"run_id": _TEXT, "attempt_id": _INT, "ts": _NUMBER, "rank": _INT, "iteration": _INT,
-                "name": _TEXT, "value": (*_NUMBER, "null"), "nonfinite": (*_TEXT, "null")},
-}
-_V1_COLUMNS = {**_COLUMNS, "metrics": {k: v for k, v in _COLUMNS["metrics"].items() if k != "nonfinite"}}
-
-# Forward-only status transitions: a resumed controller can never move a stage back into the past.
-STAGE_STATES = ("pending", "running", "passed", "failed", "skipped", "stopped")
-_FINAL = {"passed", "skipped"}
+# Re-exported: the ledger's readers import them from here.
+__all__ = ["ATTEMPT_STATES", "RUN_STATES", "SCHEMA", "SCHEMA_VERSION", "STAGE_STATES", "Ledger", "LedgerLocked",
+           "NotALedger", "Stage", "controller_lock"]
 
 
 class LedgerLocked(StepdeployError):
     """Another controller drives this run."""
-
-
-class NotALedger(BadInput):
-    """The file is not a rollout ledger this stepdeploy can read (corrupt, foreign or newer)."""
 
 
 def _dumps(value: Any) -> str:
@@ -122,8 +71,15 @@ class Ledger:
         self.path = path
         self.clock = clock
         self.create = create
-        if path.exists() or path.is_symlink():
+        if path.is_symlink():  # sqlite follows it (and creates a dangling one's target): never through a link
+            raise NotALedger(f"{path}: a symbolic link, not a rollout ledger; refusing to follow it",
+                             hint="give the run directory that holds the ledger itself")
+        if path.exists():
             safeio.require_regular(path, "rollout ledger")  # a FIFO would block sqlite forever
+        elif not create:
+            raise NotALedger(f"{path}: no rollout ledger here", hint="stepdeploy rollout list")
+        else:
+            os.close(open_run_file(path, "rollout ledger"))  # created here, without following a planted link
         try:
             self.db = sqlite3.connect(path, isolation_level=None, timeout=30)
         except sqlite3.Error as exc:
@@ -150,7 +106,7 @@ class Ledger:
                 self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif version == 1:
                 with self.tx() as db:
-                    for statement in filter(str.strip, _MIGRATE_1.split(";")):
+                    for statement in filter(str.strip, MIGRATE_1.split(";")):
                         db.execute(statement)
                     db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
         except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # sqlite's message can quote damaged bytes
@@ -159,53 +115,15 @@ class Ledger:
 
     def _version(self) -> int | None:
         """The schema version of the ledger, None for a new (empty) file; NotALedger for anything else."""
-        tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if not tables:
-            return None
-        hint = "give the run directory of a stepdeploy rollout (stepdeploy rollout list)"
-        if not set(_COLUMNS) <= tables:
-            raise NotALedger(f"{self.path}: not a stepdeploy rollout ledger (its tables: "
-                             f"{', '.join(sorted(tables))[:200]})", hint=hint)
-        row = self.db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        version = int(row[0]) if row is not None and str(row[0]).isdigit() else None
-        if version not in (1, SCHEMA_VERSION):
-            raise NotALedger(f"{self.path}: a rollout ledger of schema {row[0] if row else '(none)'}; this "
-                             f"stepdeploy reads schema 1 and {SCHEMA_VERSION}", hint=hint)
-        damage = [str(r[0]) for r in self.db.execute("PRAGMA quick_check(3)")]
-        if damage != ["ok"]:  # a damaged page or index would fail a later query: refuse it now
-            found = " ".join("; ".join(damage).split())[:200]
-            raise NotALedger(f"{self.path}: the rollout ledger is damaged ({found})", hint=hint)
-        self._check_rows(_V1_COLUMNS if version == 1 else _COLUMNS)
-        self._check_links()
-        return version
-
-    def _check_rows(self, spec: dict[str, dict[str, tuple[str, ...]]]) -> None:
-        for table, columns in spec.items():
-            present = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
-            if set(columns) - present:
-                raise NotALedger(f"{self.path}: table {table} lacks {', '.join(sorted(set(columns) - present))}; "
-                                 "not a rollout ledger this stepdeploy wrote")
-            tests = [_column_test(name, kinds) for name, kinds in columns.items()]
-            bad = self.db.execute(f"SELECT rowid FROM {table} WHERE NOT ({' AND '.join(tests)}) LIMIT 1").fetchone()
-            if bad is not None:
-                raise NotALedger(f"{self.path}: row {bad[0]} of table {table} holds values of the wrong type; "
-                                 "the ledger is corrupt")
-
-    def _check_links(self) -> None:
-        """Every attempt, rung and verdict belongs to a stage of its run (what this ledger always writes)."""
-        for table, stage in (("attempts", "stage"), ("rungs", "stage"), ("verdicts", "stage")):
-            orphan = self.db.execute(f"SELECT {stage} FROM {table} t WHERE NOT EXISTS (SELECT 1 FROM stages s "
-                                     f"WHERE s.run_id = t.run_id AND s.name = t.{stage}) LIMIT 1").fetchone()
-            if orphan is not None:
-                raise NotALedger(f"{self.path}: table {table} names stage {orphan[0]!r}, which its run does not "
-                                 "have; the ledger is inconsistent")
+        return check_ledger(self.db, self.path)
 
     def close(self) -> None:
         self.db.close()
 
     def _loads(self, text: str) -> Any:
-        """A JSON column (valid JSON since _check_rows, but it may nest without bound)."""
-        return safeio.loads_json(text, f"{self.path}: a JSON column")
+        """A JSON column (valid JSON of bounded length since check_ledger; nesting bounded here). A number too
+        large for a float (1e999, which the ledger never writes) reads as null, as a NaN is written."""
+        return safeio.finite(safeio.loads_json(text, f"{self.path}: a JSON column"))
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
@@ -219,6 +137,8 @@ class Ledger:
 
     # --- runs and stages -------------------------------------------------------------------------------
     def create_run(self, run_id: str, config: dict[str, Any], stages: list[str]) -> None:
+        if not stages:  # a run without stages would have nothing to pass and pass
+            raise BadInput(f"run {run_id}: a rollout needs at least one stage")
         now = self.clock()
         with self.tx() as db:
             db.execute("INSERT INTO runs VALUES (?, ?, ?, 'pending', ?)", (run_id, now, now, _dumps(config)))
@@ -236,7 +156,16 @@ class Ledger:
         return {**dict(row), "config": self._loads(row["config"])}
 
     def set_run_status(self, run_id: str, status: str) -> None:
+        """A run passes only when it has stages and every one passed or was skipped."""
+        _known(status, RUN_STATES, "run")
         with self.tx() as db:
+            if status == "passed":
+                left = [r["name"] for r in db.execute("SELECT name, status FROM stages WHERE run_id = ? ORDER BY "
+                                                      "position", (run_id,)) if r["status"] not in FINAL]
+                stages = db.execute("SELECT COUNT(*) FROM stages WHERE run_id = ?", (run_id,)).fetchone()[0]
+                if left or not stages:
+                    raise StepdeployError(f"run {run_id} cannot pass: " + (f"stage {left[0]} has not passed"
+                                                                           if left else "it has no stages"))
             db.execute("UPDATE runs SET status = ?, updated = ? WHERE id = ?", (status, self.clock(), run_id))
             self._event(db, run_id, "run", f"run {status}")
 
@@ -247,18 +176,17 @@ class Ledger:
 
     def next_stage(self, run_id: str) -> Stage | None:
         """The first stage not finished for good (passed/skipped): where a (resumed) run continues."""
-        return next((s for s in self.stages(run_id) if s.status not in _FINAL), None)
+        return next((s for s in self.stages(run_id) if s.status not in FINAL), None)
 
     def set_stage(self, run_id: str, stage: str, status: str, reason: str | None = None) -> None:
-        if status not in STAGE_STATES:
-            raise ValueError(f"unknown stage status {status!r}")
+        _known(status, STAGE_STATES, "stage")
         now = self.clock()
         with self.tx() as db:
             current = db.execute("SELECT status FROM stages WHERE run_id = ? AND name = ?",
                                  (run_id, stage)).fetchone()
             if current is None:
                 raise StepdeployError(f"run {run_id!r} has no stage {stage!r}")
-            if current["status"] in _FINAL:
+            if current["status"] in FINAL:
                 raise StepdeployError(f"stage {stage} already {current['status']}; it is never re-run")
             started = now if status == "running" else None
             finished = now if status in ("passed", "failed", "skipped", "stopped") else None
@@ -280,6 +208,7 @@ class Ledger:
         return [{**dict(r), "config": self._loads(r["config"])} for r in rows]
 
     def set_rung(self, run_id: str, stage: str, rung: str, status: str, reason: str | None = None) -> None:
+        _known(status, STAGE_STATES, "rung")
         with self.tx() as db:
             db.execute("UPDATE rungs SET status = ?, reason = ? WHERE run_id = ? AND stage = ? AND name = ?",
                        (status, reason, run_id, stage, rung))
@@ -298,6 +227,7 @@ class Ledger:
             return int(cur.lastrowid or 0)
 
     def finish_attempt(self, attempt_id: int, status: str, detail: dict[str, Any] | None = None) -> None:
+        _known(status, ATTEMPT_STATES, "attempt")
         with self.tx() as db:
             row = db.execute("SELECT * FROM attempts WHERE id = ?", (attempt_id,)).fetchone()
             merged = {**self._loads(row["detail"]), **(detail or {})}
@@ -365,18 +295,35 @@ class Ledger:
         return [dict(r) for r in rows]
 
 
+def _known(status: str, states: tuple[str, ...], what: str) -> None:
+    """The ledger writes only states it reads back (check_ledger refuses any other)."""
+    if status not in states:
+        raise ValueError(f"unknown {what} status {status!r} (one of {', '.join(states)})")
+
+
 def _metric_value(value: float) -> tuple[float | None, str | None]:
     number = float(value)
     return (number, None) if math.isfinite(number) else (None, repr(number))
 
 
-def _column_test(name: str, kinds: tuple[str, ...]) -> str:
-    """SQL that is true when column `name` holds one of `kinds` (SQLite types, or JSON text)."""
-    if kinds == ("json",):
-        return f"(typeof({name}) = 'text' AND json_valid({name}) AND json_type({name}) = 'object')"
-    if kinds == ("jsonany",):
-        return f"(typeof({name}) = 'text' AND json_valid({name}))"
-    return f"typeof({name}) IN ({', '.join(repr(k) for k in kinds)})"
+def open_run_file(path: Path, what: str) -> int:
+    """A descriptor (read-write) on the file stepdeploy keeps at `path` in a run directory, created if absent:
+    never through a symbolic link (O_NOFOLLOW), never truncated (no O_TRUNC), and refused (BadInput) unless
+    it is a regular file with no other name (a hard link to a victim would be written through as well)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise BadInput(f"{path}: cannot open the {what}: {why}; refusing it",
+                       hint=f"remove {path} if no stepdeploy command is using it") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        kind = "is not a regular file" if not stat.S_ISREG(info.st_mode) else f"has {info.st_nlink} names"
+        raise BadInput(f"{path}: the {what} {kind}; refusing it",
+                       hint=f"remove {path} if no stepdeploy command is using it")
+    return fd
 
 
 @contextmanager
@@ -384,22 +331,20 @@ def controller_lock(run_dir: Path) -> Iterator[None]:
     """Exactly one controller per run: a second one is refused with who holds the lock and since when.
 
     The kernel drops a flock when its holder dies (kill -9 included), so a crashed controller never leaves
-    the run locked.
+    the run locked. The lock file is opened by open_run_file: a planted link or device is refused, not used.
     """
     path = run_dir / "controller.lock"
-    fh = open(path, "a+")  # noqa: SIM115 - held for the lifetime of the context
+    fd = open_run_file(path, "controller lock")
     try:
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another controller"
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another controller"
             raise LedgerLocked(f"run {run_dir.name} is being driven by {holder}",
                                hint=f"wait for it, or stop it: stepdeploy rollout stop {run_dir}") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        fh.flush()
+        holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        os.ftruncate(fd, 0)  # this file only: a regular file with no other name (open_run_file)
+        os.pwrite(fd, holder.encode(), 0)
         yield
     finally:
-        fh.close()
+        os.close(fd)

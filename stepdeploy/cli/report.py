@@ -11,10 +11,10 @@ from pathlib import Path
 import typer
 
 from stepdeploy import safeio
-from stepdeploy.cli.output import console, emit_json, info, out
+from stepdeploy.cli.output import console, emit_json, info, out, warn
 from stepdeploy.errors import BadInput
 from stepdeploy.ledger import Ledger
-from stepdeploy.report.summary import RunData, read_run, summarise
+from stepdeploy.report.summary import RunData, event_data_notes, read_run, summarise
 
 LEDGER_FILE = "ledger.sqlite"
 TABLE_WIDTH = 150  # tables stay readable when stdout is a pipe (rich assumes 80 columns there)
@@ -31,6 +31,8 @@ def report(
     data = load(run)
     from stepdeploy.report import renderables, write_report  # matplotlib: loaded only to make a report
 
+    for note in event_data_notes(data.events):  # figures a hand-edited ledger holds wrong: left out, said so
+        warn(note)
     summary = summarise(data)
     if json_out:
         emit_json(summary.to_json())

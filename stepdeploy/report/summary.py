@@ -170,8 +170,60 @@ def summarise(data: RunData) -> Summary:
 
 
 def last_event_data(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    """The data of the last `kind` event that holds any; None when there is none, or when its figures are not of
+    the types the report formats (a ledger edited by hand: event_data_notes says so)."""
     found = [e["data"] for e in events if e["kind"] == kind and e["data"]]
-    return found[-1] if found else None
+    return found[-1] if found and event_data_problem(kind, found[-1]) is None else None
+
+
+# The figures of the soak's `goodput` event (rollout/goodput.py) and its `checkpoint` event that the report reads:
+# key -> what it must hold. Other keys are not read, and so not checked.
+_FIGURE_MAX = 1e12  # seconds, iterations, ratios: far beyond any soak, well within what a float formats
+_NUMBER, _OPTIONAL, _COUNT, _LIST, _PARTS, _SHARES, _TEXT = ("number", "optional number", "count", "list",
+                                                          "parts", "shares", "text")
+EVENT_FIGURES: dict[str, dict[str, str]] = {
+    "goodput": {"ratio": _OPTIONAL, "wall_s": _OPTIONAL, "steady_step_s": _OPTIONAL, "max_save_s": _OPTIONAL,
+                "overrun_s": _OPTIONAL, "iterations": _COUNT, "saves": _COUNT, "redone": _COUNT, "starts": _LIST,
+                "failures": _LIST, "parts": _PARTS, "startup_parts": _PARTS, "failure_parts": _PARTS,
+                "shares": _SHARES},
+    "checkpoint": {"describe": _TEXT, "iterations": _COUNT},
+}
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float) and -_FIGURE_MAX <= value <= _FIGURE_MAX  # NaN, inf and bools fail
+
+
+def _holds(value: Any, shape: str) -> bool:
+    checks = {
+        _NUMBER: _is_number, _OPTIONAL: lambda v: v is None or _is_number(v),
+        _COUNT: lambda v: type(v) is int and 0 <= v <= _FIGURE_MAX,
+        _LIST: lambda v: isinstance(v, list), _TEXT: lambda v: v is None or isinstance(v, str),
+        _PARTS: lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()),
+        _SHARES: lambda v: isinstance(v, dict) and all(x is None or _is_number(x) for x in v.values()),
+    }
+    return bool(checks[shape](value))
+
+
+def event_data_problem(kind: str, data: Any) -> str | None:
+    """What is wrong with an event's data for the report (None: nothing, or a kind it does not read)."""
+    if kind not in EVENT_FIGURES:
+        return None
+    if not isinstance(data, dict):
+        return "its data is not an object"
+    wrong = [key for key, shape in EVENT_FIGURES[kind].items() if key in data and not _holds(data[key], shape)]
+    return f"{', '.join(wrong)} of the wrong type or out of range" if wrong else None
+
+
+def event_data_notes(events: list[dict[str, Any]]) -> list[str]:
+    """One line for each kind whose last event the report leaves out because of event_data_problem."""
+    notes = []
+    for kind in EVENT_FIGURES:
+        last = next((e for e in reversed(events) if e["kind"] == kind and e["data"]), None)
+        problem = event_data_problem(kind, last["data"]) if last else None
+        if last is not None and problem is not None:
+            notes.append(f"the ledger's {kind} event {last['id']} is left out of the report: {problem}")
+    return notes
 
 
 GOODPUT_LABELS = {"productive": "productive", "startup": "start-up", "checkpoint": "checkpoint saves",

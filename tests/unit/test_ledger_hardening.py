@@ -43,6 +43,7 @@ CREATE TABLE metrics (run_id TEXT NOT NULL, attempt_id INTEGER NOT NULL, ts REAL
     iteration INTEGER NOT NULL, name TEXT NOT NULL, value REAL NOT NULL);
 INSERT INTO meta VALUES ('schema_version', '1');
 INSERT INTO runs VALUES ('r1', 1.0, 2.0, 'failed', '{"model": "tiny-dense"}');
+INSERT INTO stages VALUES ('r1', 'warmup', 0, 'failed', 1.0, 2.0, NULL);
 INSERT INTO metrics VALUES ('r1', 1, 1.5, 0, 1, 'loss', 5.5);
 """
 
