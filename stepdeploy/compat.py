@@ -1,8 +1,11 @@
-"""The compatibility matrix: can a stack profile run on the hardware a node has? Pure: values in, values out.
+"""The compatibility matrix: can a stack profile run on the hardware a node has, and can it run what the engine
+calls? Pure: values in, values out.
 
 Rules come from stepdeploy/data/compat.yaml (GPU arch <-> CUDA <-> driver <-> PyTorch <-> flash-attn <->
-megatron-core <-> Python). Provisioning calls this before it changes any node; preflight and the planner
-call it too. Each conflict names the rule's source and the profiles that would work instead.
+megatron-core <-> Python; CPU architecture; the megatron engine's megatron-core API level). Provisioning calls
+`verdict` before it changes any node, preflight too; `plan`, `render` and the rollout call `stack_verdict` (the
+inventory's declared hardware and the engine's needs, offline). Each conflict names the rule's source and the
+profiles that would work instead.
 """
 
 from __future__ import annotations
@@ -12,11 +15,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import yaml
 from packaging.version import InvalidVersion, Version
 
+from stepdeploy.errors import BadInput
 from stepdeploy.stack import StackProfile, load_profiles
+
+if TYPE_CHECKING:
+    from stepdeploy.catalog import ModelSpec
+    from stepdeploy.inventory.model import Cluster
+    from stepdeploy.plan.layout import Layout
 
 SIMULATION_PREFIX = "sim-"  # profiles for simulated nodes: never suggested for real GPUs
 
@@ -54,6 +64,7 @@ class Verdict:
     profile: str
     conflicts: tuple[Conflict, ...] = ()
     working_profiles: tuple[str, ...] = field(default_factory=tuple)
+    subject: str = "on this hardware"  # what the profile was judged for
 
     @property
     def ok(self) -> bool:
@@ -62,13 +73,22 @@ class Verdict:
     def message(self) -> str:
         if self.ok:
             return f"profile {self.profile} is compatible with the hardware found"
-        lines = [f"profile {self.profile} cannot run on this hardware:"]
+        lines = [f"profile {self.profile} cannot run {self.subject}:"]
         lines += [f"  - {c.line()}" for c in self.conflicts]
         if self.working_profiles:
             lines.append(f"profiles that would work: {', '.join(self.working_profiles)}")
         else:
             lines.append("no shipped profile fits; add one to stepdeploy/data/stack_profiles.yaml")
         return "\n".join(lines)
+
+    def one_line(self) -> str:
+        """The refusal as one line (errors print one line): every rule broken, with its source."""
+        return f"profile {self.profile} cannot run {self.subject}: " + "; ".join(c.line() for c in self.conflicts)
+
+    def hint(self) -> str:
+        if self.working_profiles:
+            return f"set stepdeploy_profile in the inventory to one that works: {', '.join(self.working_profiles)}"
+        return "no shipped profile fits; add one to stepdeploy/data/stack_profiles.yaml and name it in the inventory"
 
 
 @cache
@@ -105,10 +125,18 @@ def _major_minor(version: str) -> str:
 
 def check(profile: StackProfile, facts: HostFacts) -> list[Conflict]:
     """Every rule of the matrix that `profile` breaks on `facts`."""
-    conflicts = _software_rules(profile, facts.host)
+    conflicts = _software_rules(profile, facts.host) + _arch_rules(profile, facts)
     for sm, family in {a for a in (gpu_arch(g) for g in facts.gpus) if a is not None}:
         conflicts += _gpu_rules(profile, facts, sm, family)
     return conflicts
+
+
+def _arch_rules(profile: StackProfile, facts: HostFacts) -> list[Conflict]:
+    """A profile's packages (driver installer, wheels) are built for some CPU architectures only."""
+    if not (profile.arch and facts.arch) or facts.arch in profile.arch:
+        return []
+    return [Conflict(facts.host, "CPU architecture", facts.arch, f"{' or '.join(profile.arch)} (the profile's "
+                     "packages are built for it)", profile.sources.get("platform", "stack_profiles.yaml"))]
 
 
 def _software_rules(profile: StackProfile, host: str) -> list[Conflict]:
@@ -231,3 +259,92 @@ def facts_from_nvidia_smi(host: str, arch: str | None, csv_text: str) -> HostFac
         if parts and parts[0]:
             gpus.append(Gpu(name=parts[0], compute_cap=parts[1] if len(parts) > 1 else None))
     return HostFacts(host=host, arch=arch, gpus=tuple(gpus))
+
+
+def engine_api_level() -> Version:
+    """The oldest megatron-core that has everything the megatron engine calls (megatron_engine_api)."""
+    return max(Version(api["since"]) for api in matrix()["megatron_engine_api"]["apis"])
+
+
+def engine_conflicts(profile: StackProfile, engine: str, spec: ModelSpec,
+                     layout: Layout | None = None) -> list[Conflict]:
+    """What `profile` lacks for `engine` to run `spec` (and `layout`, when given): the megatron engine's
+    megatron-core API level, the model's features (engine_features), TransformerEngine for context parallelism."""
+    where = f"{spec.name} ({engine} engine)"
+    if engine != "megatron":
+        return [] if profile.torch else [Conflict(where, "PyTorch", "none", "a PyTorch for the torch engine",
+                                                  "stepdeploy/workload/engine_torch.py")]
+    mc = _v(profile.megatron_core)
+    if mc is None:
+        out = [Conflict(where, "megatron-core", profile.megatron_core or "none",
+                        f">= {engine_api_level()} (the megatron engine's API level)",
+                        "compat.yaml megatron_engine_api (stepdeploy/workload/engine_megatron.py)")]
+    else:
+        out = [Conflict(where, "megatron-core", profile.megatron_core or "", f">= {api['since']} for "
+                        f"{' '.join(api['name'].split())}", " ".join(api["source"].split()))
+               for api in matrix()["megatron_engine_api"]["apis"] if mc < Version(api["since"])]
+    out += model_conflicts(profile, sliding_window=spec.sliding_window is not None,
+                           per_layer=not spec.uniform_attention or spec.mtp_num_layers > 0, where=where)
+    if layout is not None and layout.cp > 1 and not profile.transformer_engine:
+        out.append(Conflict(where, "TransformerEngine", "none", f"TransformerEngine's attention for CP={layout.cp}",
+                            matrix()["transformer_engine"]["source"]))
+    return out
+
+
+def cluster_facts(cluster: Cluster, gpu: str | None = None) -> list[HostFacts]:
+    """What the inventory declares of each node (`gpu`: another GPU model, as `plan --gpu` asks)."""
+    facts = []
+    for node in cluster.nodes:
+        name = gpu or node.gpu_model or "unknown GPU"
+        gpus = (Gpu(name=name),) if (node.gpus_per_node or gpu) else ()
+        facts.append(HostFacts(node.name, node.arch, gpus, gpu_source="declared in the inventory"))
+    return facts
+
+
+def _merged(conflicts: Iterable[Conflict]) -> list[Conflict]:
+    """One conflict per rule broken, naming every host that breaks it."""
+    hosts: dict[tuple[str, str, str, str], list[str]] = {}
+    for c in conflicts:
+        hosts.setdefault((c.component, c.found, c.required, c.source), []).append(c.host)
+    return [Conflict(", ".join(dict.fromkeys(names)), *key) for key, names in hosts.items()]
+
+
+def stack_verdict(cluster: Cluster, spec: ModelSpec, layout: Layout | None = None, *, engine: str | None = None,
+                  gpu: str | None = None, profiles: Mapping[str, StackProfile] | None = None) -> Verdict:
+    """Can the inventory's stack profile run `spec` (and `layout`) on the hardware the inventory declares, with
+    `engine` (default: megatron on GPU nodes, torch on CPU nodes, as render chooses)? Offline: hardware rules,
+    CPU architecture and the engine's needs. On conflict, the shipped profiles that pass all of them on these
+    nodes (never a simulation profile for GPUs; those made for the GPUs' family first). An inventory that names
+    no profile is not judged (ok)."""
+    hosts = cluster_facts(cluster, gpu)
+    on_gpus = any(h.gpus for h in hosts)
+    engine = engine or ("megatron" if on_gpus else "torch")
+    gpus = {h.gpus[0].name for h in hosts if h.gpus}
+    arches = {h.arch for h in hosts if h.arch}
+    subject = (f"{spec.name} with the {engine} engine on {len(hosts)} node(s) of "
+               f"{', '.join(sorted(gpus)) or 'CPUs'}{' (' + ', '.join(sorted(arches)) + ')' if arches else ''}")
+    if cluster.profile is None:
+        return Verdict(profile="(none)", subject=subject)
+
+    def conflicts_of(p: StackProfile) -> list[Conflict]:
+        return _merged([c for h in hosts for c in check(p, h)] + engine_conflicts(p, engine, spec, layout))
+
+    conflicts = conflicts_of(cluster.profile)
+    working: list[str] = []
+    if conflicts:
+        catalog = profiles if profiles is not None else load_profiles()
+        working = [name for name, p in catalog.items()
+                   if (p.cuda or not on_gpus) and not (on_gpus and name.startswith(SIMULATION_PREFIX))
+                   and not conflicts_of(p)]
+        families = {a[1] for h in hosts for g in h.gpus if (a := gpu_arch(g))}
+        working.sort(key=lambda name: not families & set(catalog[name].gpu_families))
+    return Verdict(cluster.profile.name, tuple(conflicts), tuple(working), subject)
+
+
+def require_stack(cluster: Cluster, spec: ModelSpec, layout: Layout | None = None, *, engine: str | None = None,
+                  gpu: str | None = None) -> Verdict:
+    """stack_verdict, raising BadInput (exit 2) with every rule broken, its source and the profiles that work."""
+    found = stack_verdict(cluster, spec, layout, engine=engine, gpu=gpu)
+    if not found.ok:
+        raise BadInput(found.one_line(), hint=found.hint())
+    return found

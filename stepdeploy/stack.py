@@ -17,8 +17,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from stepdeploy.errors import BadInput
 
 COMPONENTS = (
-    "driver", "cuda", "cudnn", "nccl", "python", "torch", "flash_attn", "megatron_core", "env_manager",
+    "driver", "cuda", "cudnn", "nccl", "python", "torch", "flash_attn", "megatron_core", "transformer_engine",
+    "env_manager",
 )
+# `platform: {arch: [...], gpu_families: [...], source}`: the CPU architectures the profile's packages are built
+# for (a profile without one is not tied to any) and the GPU families it is made for (suggestions list those first)
+PLATFORM = "platform"
 EnvManager = Literal["conda", "venv"]
 
 
@@ -37,7 +41,10 @@ class StackProfile(BaseModel):
     torch: str | None = None
     flash_attn: str | None = None
     megatron_core: str | None = None
+    transformer_engine: str | None = None
     env_manager: EnvManager = "venv"
+    arch: tuple[str, ...] = ()  # empty: any CPU architecture
+    gpu_families: tuple[str, ...] = ()
     # component -> where its version comes from (and why, when it is not obvious)
     sources: dict[str, str] = {}
 
@@ -80,11 +87,14 @@ def parse_profiles(document: Any) -> dict[str, StackProfile]:
 def _parse_profile(name: str, body: Any) -> StackProfile:
     if not isinstance(body, dict):
         raise ValueError(f"stack profile {name!r} must be a mapping")
-    unknown = set(body) - {"description", *COMPONENTS}
+    unknown = set(body) - {"description", PLATFORM, *COMPONENTS}
     if unknown:
         raise ValueError(f"stack profile {name!r} has unknown keys: {sorted(unknown)}")
     fields: dict[str, Any] = {"name": name, "description": body.get("description", "")}
     sources: dict[str, str] = {}
+    if PLATFORM in body:
+        fields |= _parse_platform(name, body[PLATFORM])
+        sources[PLATFORM] = str(body[PLATFORM]["source"])
     for component in COMPONENTS:
         entry = body.get(component)
         if entry is None:
@@ -99,3 +109,9 @@ def _parse_profile(name: str, body: Any) -> StackProfile:
         return StackProfile(**fields, sources=sources)
     except ValidationError as exc:
         raise ValueError(f"stack profile {name!r}: {exc}") from exc
+
+
+def _parse_platform(name: str, entry: Any) -> dict[str, tuple[str, ...]]:
+    if not isinstance(entry, dict) or not entry.get("source") or not isinstance(entry.get("arch"), list):
+        raise ValueError(f"stack profile {name!r}: platform needs 'arch' (a list) and 'source'")
+    return {"arch": tuple(map(str, entry["arch"])), "gpu_families": tuple(map(str, entry.get("gpu_families", [])))}

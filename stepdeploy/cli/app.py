@@ -73,7 +73,8 @@ app.command("render", epilog=render_cmd.EXAMPLE)(
 )
 app.command("report", epilog="Example: stepdeploy report runs/r1 --html runs/r1/report.html")(report_cmd.report)
 app.command("demo", epilog="Example: stepdeploy demo --nodes 2")(demo_cmd.demo)
-app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash -i inventory/dgx.ini")(
+app.command("plan", epilog="Example: stepdeploy plan --model step-3.5-flash "
+            "-i inventory/examples/hgx-h100-pair.ini --nodes 4")(
     plan_cmd.plan
 )
 

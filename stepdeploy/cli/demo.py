@@ -25,7 +25,9 @@ from stepdeploy.errors import StepdeployError
 from stepdeploy.seed import seed_path
 from stepdeploy.sim.cluster import MAX_NODES, SimConfig
 
-SEED_INVENTORY = seed_path("inventory/dgx.ini")
+# The plan step's cluster: two 8xH100 HGX servers with a stack the megatron engine runs (hopper-cu128). The seed's
+# DGX pair (inventory/dgx.ini) has the same GPUs, but its seed-2024 stack (megatron-core 0.8.0) is refused (exit 2).
+PLAN_INVENTORY = "inventory/examples/hgx-h100-pair.ini"
 # the rollout trains on real text: stepdeploy's own docs (shipped with the package), tokenized by a byte-level BPE
 # trained on them (nothing downloaded)
 DEMO_TEXT = seed_path("docs")
@@ -37,8 +39,8 @@ SOAK_ITERATIONS = 80
 # is set for that (a real cluster keeps the default 0.7); small sequences keep it quick.
 DEMO_ROLLOUT = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "5", "--scale-iterations", "10",
                 "--checkpoint-interval", "20", "--min-scaling-efficiency", "0.1", "--pg-timeout", "30"]
-NEXT = ("stepdeploy provision inventory/dgx.ini && stepdeploy preflight inventory/dgx.ini && stepdeploy rollout "
-        "run -i inventory/dgx.ini -m step-3.5-flash --stages warmup,scale,soak --soak-duration 72h")
+NEXT = (f"stepdeploy provision {PLAN_INVENTORY} && stepdeploy preflight {PLAN_INVENTORY} && stepdeploy rollout "
+        f"run -i {PLAN_INVENTORY} -m step-3.5-flash-slice-ep2 --stages warmup,scale,soak --soak-duration 2h")
 
 
 def demo(
@@ -61,7 +63,7 @@ def demo(
         ["inventory", "show", inv],
         ["provision", inv],
         ["preflight", inv, "--min-free-gib", "1"],
-        ["plan", "--model", "step-3.5-flash", "-i", str(SEED_INVENTORY), "--top", "3"],
+        ["plan", "--model", "step-3.5-flash", "-i", str(seed_path(PLAN_INVENTORY)), "--top", "3"],
         # render -> launch -> logs -> stop, by hand (the CPU nodes run the torch engine, data parallel: there is
         # no GPU memory to plan), a run long enough that only the stop ends it
         ["render", "-i", inv, "-m", "tiny-dense", "--out", str(launch_dir), "--seq", "64", "--gbs", "4",
@@ -111,7 +113,7 @@ def proved(run_dir: Path, nodes: int, took_s: float) -> list[str]:
         f"goodput   {goodput}",
         f"report    {run_dir / 'report.html'}  (stepdeploy report {run_dir})",
         f"took      {took_s / 60:.1f} min",
-        f"next, on real GPU nodes (edit inventory/dgx.ini first): {NEXT}",
+        f"next, on real GPU nodes (put their addresses in {PLAN_INVENTORY} first): {NEXT}",
     ]
 
 
@@ -120,6 +122,6 @@ def _step(number: int, args: list[str]) -> None:
     started = time.monotonic()
     code = subprocess.call([sys.executable, "-m", "stepdeploy", *args])
     info(f"step {number} took {time.monotonic() - started:.1f} s")
-    # The plan step judges the seed's 16-GPU DGX pair, where the target may not fit: its exit 1 is a verdict.
+    # The plan step judges a 16-GPU HGX pair, where the target does not fit: its exit 1 is a verdict.
     if code != 0 and not (args[0] == "plan" and code == 1):
         raise StepdeployError(f"demo step {number} (stepdeploy {args[0]}) exited {code}")

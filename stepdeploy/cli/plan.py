@@ -1,6 +1,8 @@
 """`stepdeploy plan`: rank parallel layouts by memory and step time; say why the others cannot work.
 
-Exit codes: 0 at least one layout fits (or the --layout given fits), 1 none does, 2 bad input.
+Exit codes: 0 at least one layout fits (or the --layout given fits), 1 none does, 2 bad input — the inventory's stack
+profile refused for its GPUs or for what the engine calls included (compat.stack_verdict: nothing is searched, nothing
+listed as fitting; the same refusal as `render`'s).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from typing import Any
 
 import typer
 
+from stepdeploy import compat
 from stepdeploy.catalog import load_hardware, load_model
 from stepdeploy.cli.common import finite_option
 from stepdeploy.cli.output import console, emit_json, info, out, warn
 from stepdeploy.cli.rollout import parse_mtbf
 from stepdeploy.errors import EXIT_FAILED, BadInput
 from stepdeploy.inventory import load_cluster
+from stepdeploy.inventory.model import Cluster
 from stepdeploy.plan import checkpoint, engines, report
 from stepdeploy.plan.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterShape, cluster_shape, shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, check_sequence, parse_layout
@@ -33,15 +37,11 @@ def _table(table: Any) -> None:
     console(file=sys.stdout, width=TABLE_WIDTH, highlight=False).print(table)
 
 
-def _inventory_shape(path: str) -> ClusterShape:
-    return shape_from_cluster(load_cluster(path))
-
-
 def _cluster(
-    inventory: str | None, nodes: int | None, gpus_per_node: int | None, gpu: str | None, link: str | None
+    inventory: Cluster | None, nodes: int | None, gpus_per_node: int | None, gpu: str | None, link: str | None
 ) -> ClusterShape:
     if inventory:
-        base = _inventory_shape(inventory)
+        base = shape_from_cluster(inventory)
         given = cluster_shape(
             nodes or base.nodes,
             gpus_per_node or base.gpus_per_node,
@@ -135,7 +135,10 @@ def plan(
         return
     mtbf_s = parse_mtbf(mtbf)
     spec, hardware = load_model(model), load_hardware()
-    cluster = _cluster(inventory, nodes, gpus_per_node, gpu, link)
+    loaded = load_cluster(inventory) if inventory else None
+    cluster = _cluster(loaded, nodes, gpus_per_node, gpu, link)
+    if loaded is not None:  # the stack judged before anything is searched, as render judges it
+        compat.require_stack(loaded, spec, engine=engines.DEFAULT_ENGINE, gpu=cluster.gpu.name)
     seq_length = seq if seq is not None else spec.training.seq_length
     check_sequence(spec, seq_length)
     global_batch = gbs if gbs is not None else spec.training.global_batch_size

@@ -1,7 +1,7 @@
 """`stepdeploy render`: inventory + model + layout (chosen by the planner unless given) -> a run directory.
 
 Exit codes: 0 rendered (or would be, with --dry-run), 1 no layout fits (or the --layout given does not, unless
---force), 2 bad input.
+--force), 2 bad input — an inventory stack profile that cannot run the model here included (compat.stack_verdict).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from stepdeploy.render import RenderOptions, parse_env
 from stepdeploy.render.build import build, check_out_dir, write_run
 from stepdeploy.render.options import REMOTE_RUNS, SEED_OPTIONS, STAGE_ITERATIONS
 
-# `render --help`'s example (cli/app.py's epilog): it runs as written from a checkout (test_render_truths.py);
-# step-3.5-flash, the example until issue 34, fits no layout on the seed's 2 x 8 H100 (and its seed-2024 stack's
-# PyTorch 2.3.1 has no flex_attention for its sliding windows).
-EXAMPLE = "Example: stepdeploy render -i inventory/dgx.ini --model proxy-0.7b-moe --out runs/r1"
+# `render --help`'s example (cli/app.py's epilog): it runs as written from a checkout (test_render_truths.py).
+# Not inventory/dgx.ini since issue 38: its seed-2024 stack (megatron-core 0.8.0, PyTorch 2.3.1) is refused for the
+# megatron engine (exit 2, compat.stack_verdict); the HGX pair's hopper-cu128 runs it.
+EXAMPLE = "Example: stepdeploy render -i inventory/examples/hgx-h100-pair.ini --model proxy-0.7b-moe --out runs/r1"
 
 
 def render(

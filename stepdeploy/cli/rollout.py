@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
 import typer
 from rich.live import Live as RichLive
@@ -15,12 +13,13 @@ from rich.table import Table
 from stepdeploy import corpus, safeio
 from stepdeploy.cli.common import connecting_cluster, finite_option, insecure_option
 from stepdeploy.cli.output import emit_json, err, info, out, warn
+from stepdeploy.cli.rollout_checks import check_run_name, default_run_name, prepare, print_plan
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
 from stepdeploy.remote import registry
-from stepdeploy.render.options import RUN_ID, parse_env
-from stepdeploy.rollout import gates, stages
+from stepdeploy.render.options import parse_env
+from stepdeploy.rollout import gates
 from stepdeploy.rollout.config import (
     AUTO,
     RolloutConfig,
@@ -34,17 +33,15 @@ from stepdeploy.rollout.inject import parse_all as parse_injections
 from stepdeploy.rollout.stages import parse_stages
 
 app = typer.Typer(help="Staged rollout: warmup, scaling ladder, soak — gated, resumable, recorded in a ledger.",
-                  epilog="Example: stepdeploy rollout run -i inventory/dgx.ini --model step-3.5-flash "
-                  "--run-dir runs/r1 && stepdeploy rollout status runs/r1", no_args_is_help=True)
+                  epilog="Example: stepdeploy rollout run -i inventory/examples/hgx-h100-pair.ini "
+                  "--model step-3.5-flash-slice-ep2 --run-dir runs/r1 && stepdeploy rollout status runs/r1",
+                  no_args_is_help=True)
 RUN = typer.Argument(..., help="The run directory (holds ledger.sqlite).")
 INSECURE = insecure_option()
-# A rollout's name prefixes every attempt's run id (`<name>-scale-target-all-nodes-a12`), which render takes
-# up to 64 characters: the name keeps 36.
-MAX_RUN_NAME = 36
 
 
-@app.command("run", epilog="Example: stepdeploy rollout run -i inventory/dgx.ini --model step-3.5-flash "
-             "--stages warmup,scale,soak --soak-duration 72h")
+@app.command("run", epilog="Example: stepdeploy rollout run -i inventory/examples/hgx-h100-pair.ini "
+             "--model step-3.5-flash-slice-ep2 --stages warmup,scale,soak --soak-duration 72h")
 def run_cmd(
     inventory: str = typer.Option(..., "--inventory", "-i", help="Ansible inventory."),
     model: str = typer.Option(..., "--model", "-m", help="Target catalog model."),
@@ -116,13 +113,13 @@ def run_cmd(
         raise BadInput("--mtbf is what --checkpoint-interval auto computes the interval from",
                        hint="add --checkpoint-interval auto, or drop --mtbf")
     config = config.checked()
-    run_id = (run_dir.name if run_dir else f"{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    _check_run_name(run_id)
+    run_id = run_dir.name if run_dir else default_run_name(model, time.gmtime())
+    check_run_name(run_id)
     run_dir = run_dir or Path("runs") / run_id
     # Everything the rollout will need is checked before its directory and ledger exist (nothing half-made).
-    cluster = _prepare(config, insecure)
+    cluster = prepare(config, insecure)
     if dry_run:
-        _print_plan(config, cluster)
+        print_plan(config, cluster)
         return
     if run_dir.exists() and not run_dir.is_dir():
         raise BadInput(f"{run_dir} exists and is not a directory; give another --run-dir")
@@ -136,34 +133,6 @@ def run_cmd(
         _drive(run_dir, ledger, run_id, config, cluster)
 
 
-def _check_run_name(run_id: str) -> None:
-    if not RUN_ID.fullmatch(run_id) or len(run_id) > MAX_RUN_NAME:
-        raise BadInput(f"rollout name {run_id!r} (the --run-dir's last part) must be 1-{MAX_RUN_NAME} letters, "
-                       "digits, '.', '_' or '-', starting with a letter or digit: it names every attempt's run")
-
-
-def _prepare(config: RolloutConfig, insecure: bool) -> Cluster:
-    """The checks a rollout passes before it starts (or is resumed, or dry-run): the inventory (and its SSH
-    host-key checking), the model, and the layout if one is given."""
-    from stepdeploy.catalog import load_model
-
-    cluster = connecting_cluster(config.inventory, insecure)
-    spec = load_model(config.model)
-    if config.proxy_model:
-        load_model(config.proxy_model)
-    if config.layout:  # judged as the warmup's rendering will judge it
-        from stepdeploy.render import RenderOptions
-        from stepdeploy.render.build import choose_layout
-        from stepdeploy.render.workload import check_engine, choose_engine
-
-        seq = config.seq_length or spec.training.seq_length
-        gbs = config.global_batch_size or spec.training.global_batch_size
-        chosen, _summary = choose_layout(cluster, spec, config.layout, seq, gbs)
-        gpus = cluster.nodes[0].gpus_per_node or 0
-        check_engine(choose_engine(RenderOptions(run_id="layout-check"), gpus), chosen, spec, gpus)
-    return cluster
-
-
 @app.command("resume", epilog="Example: stepdeploy rollout resume runs/r1 --min-scaling-efficiency 0.5")
 def resume_cmd(
     run_dir: Path = RUN,
@@ -173,9 +142,9 @@ def resume_cmd(
 ) -> None:
     """Continue a rollout: finished stages are not re-run; a running one is re-attached or restarted."""
     ledger, run_id = _open(run_dir)
-    _check_run_name(run_id)
+    check_run_name(run_id)
     config = _config(ledger, run_id)
-    cluster = _prepare(config, insecure)
+    cluster = prepare(config, insecure)
     with controller_lock(run_dir):
         (run_dir / "STOP").unlink(missing_ok=True)
         changes = {k: v for k, v in {"min_scaling_efficiency": min_scaling_efficiency,
@@ -355,41 +324,3 @@ def _list_table(rows: list[dict]) -> None:
     for r in rows:
         table.add_row(r["run"], r["status"], r["model"] or "", r["dir"])
     out.print(table)
-
-
-def _layout_needs(config: RolloutConfig) -> list[str]:
-    """What the target's given layout needs on the nodes beyond the stock stack (plan/engines.needs). A layout the
-    planner picks at render time is known only then: each launch verifies what its manifest says it needs."""
-    if not config.layout:
-        return []
-    from stepdeploy.catalog import load_model
-    from stepdeploy.plan import engines
-    from stepdeploy.plan.layout import parse_layout
-
-    return engines.needs(load_model(config.model), parse_layout(config.layout))
-
-
-def _print_plan(config: RolloutConfig, cluster: Cluster) -> None:
-    """What the registered stages (rollout/stages/) will run, each stage's part from its own plan(): its rungs,
-    iterations or duration, and the gates it will judge."""
-    plan: dict[str, Any] = {"stages": list(config.stages), "gates": asdict(config.thresholds)}
-    for name in config.stages:
-        plan[name] = stages.load(name).plan(config, cluster)
-    needs = _layout_needs(config)
-    if needs:  # verified on the nodes before each launch (rollout/stages/needs.py), as preflight --layout does
-        plan["needs"] = {"software": needs, "verified": "on every node of a rung before each launch of the target, "
-                         "with preflight's check (stepdeploy preflight INVENTORY --model M --layout L)"}
-    if config.extra_env:
-        plan["env"] = dict(config.extra_env)  # every rank of every stage (env.sh)
-    plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
-                        "(torchrun; see `stepdeploy render`)")
-    kind = registry.default_kind(cluster, config.executor)
-    if kind == "local":
-        plan["commands"] = ("on this machine, no SSH: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
-                            "(torchrun; see `stepdeploy render`)")
-    if kind == "slurm":
-        controller = cluster.slurm.controller or cluster.nodes[0].name
-        plan["commands"] = (f"on {controller}: sbatch --parsable <run>/sbatch.sh (one srun task per "
-                            f"{cluster.slurm.tasks}: the node's launch.sh or one rank per GPU); squeue/sacct to "
-                            "follow, scancel to stop")
-    out.print(json.dumps(plan, indent=2), markup=False)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from stepdeploy import __version__, corpus, safeio
+from stepdeploy import __version__, compat, corpus, safeio
 from stepdeploy.catalog import ModelSpec, load_hardware, load_model
 from stepdeploy.corpus import ShippedDataset
 from stepdeploy.errors import BadInput, StepdeployError
@@ -30,7 +30,7 @@ from stepdeploy.plan.search import judge, search
 from stepdeploy.render.facts import facts_for
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.run import RenderedRun, load_workload_sources, render_run
-from stepdeploy.render.workload import megatron_runs
+from stepdeploy.render.workload import choose_engine, megatron_runs
 
 # What build_run does with a layout the planner says does not fit: render it and say so in the manifest (the
 # rollout, whose memory gate judges the run), refuse it (`render`, exit 1), or render it marked forced (--force).
@@ -155,6 +155,9 @@ def build_run(cluster: Cluster, spec: ModelSpec, layout: str | None, opts: Rende
     Returns the run and the planner's summary of its layout; writes nothing."""
     seq = opts.seq_length or spec.training.seq_length
     check_sequence(spec, seq)  # before the search: too long a sequence is bad input, not 'no layout fits'
+    engine = choose_engine(opts, cluster.nodes[0].gpus_per_node or 0)
+    # the stack before the search, as `plan` judges it: a profile that cannot run here is bad input (exit 2)
+    compat.require_stack(cluster, spec, parse_layout(layout) if layout else None, engine=engine)
     facts = facts_for(cluster.source, [node.name for node in cluster.nodes], facts_dir)
     gbs = opts.global_batch_size or spec.training.global_batch_size
     chosen, summary = choose_layout(cluster, spec, layout, seq, gbs)

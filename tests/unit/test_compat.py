@@ -29,7 +29,8 @@ def test_seed_profile_refused_on_gb10_with_the_conflicts_and_working_profiles() 
     v = verdict(get_profile("seed-2024"), [GB10])
     assert not v.ok
     components = {c.component for c in v.conflicts}
-    assert components == {"CUDA", "PyTorch", "flash-attn"}
+    # the seed's x86_64 packages (driver .run, conda) on an Arm Spark: refused by architecture too
+    assert components == {"CUDA", "PyTorch", "flash-attn", "CPU architecture"}
     cuda = next(c for c in v.conflicts if c.component == "CUDA")
     assert cuda.found == "12.3" and ">= 12.9" in cuda.required and "sm_121" in cuda.required
     assert "spark-cuda13" in v.working_profiles

@@ -10,12 +10,19 @@ from stepdeploy.stack import COMPONENTS, get_profile, load_profiles, parse_profi
 
 def test_shipped_profiles() -> None:
     assert profile_names() == ["seed-2024", "hopper-cu128", "hopper-cu130", "spark-cuda13", "sim-cpu",
-                                   "sim-standin"]
+                                   "sim-standin", "blackwell-cu130"]
+
+
+def test_gpu_profiles_name_the_cpu_architecture_their_packages_are_built_for() -> None:
+    arch = {name: p.arch for name, p in load_profiles().items() if p.cuda and not name.startswith("sim-")}
+    assert arch == {"seed-2024": ("x86_64",), "hopper-cu128": ("x86_64",), "hopper-cu130": ("x86_64",),
+                    "spark-cuda13": ("aarch64",), "blackwell-cu130": ("x86_64",)}
+    assert all(load_profiles()[name].sources["platform"] for name in arch)
 
 
 def test_every_component_of_every_profile_names_its_source() -> None:
     for profile in load_profiles().values():
-        assert set(profile.sources) == set(COMPONENTS), profile.name
+        assert set(profile.sources) - {"platform"} == set(COMPONENTS), profile.name
         assert all(source.strip() for source in profile.sources.values())
         assert profile.description
 

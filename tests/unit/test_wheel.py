@@ -53,7 +53,7 @@ def test_the_help_examples_and_the_demos_files_work_outside_a_checkout(wheel_ins
     assert rendered.returncode == 0, rendered.stdout + rendered.stderr
     assert (tmp_path / "runs/r1/manifest.json").is_file()
     where = wheel_install.run(wheel_install.python, "-c", "from stepdeploy.cli import demo; "
-                              "print(demo.SEED_INVENTORY); print(demo.DEMO_TEXT)", cwd=tmp_path)
+                              "print(demo.seed_path(demo.PLAN_INVENTORY)); print(demo.DEMO_TEXT)", cwd=tmp_path)
     seed_inventory, text = (Path(line) for line in where.stdout.split())
     assert seed_inventory.is_file() and wheel_install.venv in seed_inventory.parents
     assert wheel_install.venv in text.parents and len(list(text.glob("*.md"))) >= 10

@@ -148,7 +148,7 @@ def test_step_35_flash_renders_where_it_fits_with_every_layer_described(tmp_path
 def test_a_profile_without_flex_attention_is_refused_for_sliding_windows(tmp_path: Path) -> None:
     res = run(tmp_path, _nodes(1, "seed-2024"), "-m", "step-3.5-flash-slice-1gpu", "--out", str(tmp_path / "x"))
     assert isinstance(res.exception, BadInput), res.output
-    assert "PyTorch 2.3.1, needs >= 2.5 for sliding-window attention" in res.exception.message
+    assert "PyTorch 2.3.1 — needs >= 2.5 for sliding-window attention" in res.exception.message
     assert "hopper-cu130" in (res.exception.hint or "") and not (tmp_path / "x").exists()
 
 
