@@ -109,15 +109,15 @@ prepare_bpe() {  # a BPE of 16,384 tokens trained on this checkout's docs and th
 }
 
 if [[ $steps == *" slicebpe "* ]]; then
-# issue 35: the Step-3.5-Flash slice on BPE-tokenized text, not bytes, at the published auxiliary loss
-# (Megatron-Bridge's step35: 1e-3, through megatron-core's own option) with one kill; then the control, the expert
-# bias frozen (--layout router_bias_update=off, the planner's layout otherwise), which must still fail expert_load
+# issue 35: the Step-3.5-Flash slice on BPE-tokenized text, not bytes, with the catalog's balancing (the published
+# auxiliary loss, Megatron-Bridge's step35: 1e-3, beside the expert bias) and one kill; then the control, the expert
+# bias frozen (--layout router_bias_update=off, the planner's layout otherwise), which must still fail expert_load.
+# A soak longer than one device call (600 s) runs detached: bench/gpu_slice_soak.sh.
 prepare_bpe
 # SLICE_STAGES=soak, SLICE_CKPT=100000, SLICE_KILL="": the longest soak one call holds (no warm-up, saves or kill)
 slice_soak=(-m step-3.5-flash-slice-1gpu --stages "${SLICE_STAGES:-warmup,soak}" --warmup-iterations 6
             --soak-duration "${SLICE_SOAK:-300s}" --checkpoint-interval "${SLICE_CKPT:-60}" --keep-checkpoints 1
-            --data /tmp/bpe/corpus
-            --env 'STEPDEPLOY_MCORE_OVERRIDES={"moe_aux_loss_coeff":0.001}')
+            --data /tmp/bpe/corpus)
 kill_at=()
 [ -n "${SLICE_KILL-kill:rank=0@150s}" ] && kill_at=(--inject "${SLICE_KILL-kill:rank=0@150s}")
 local_rollout local-slicebpe "${SLICE_TIMEOUT:-560}" "${slice_soak[@]}" "${kill_at[@]}"

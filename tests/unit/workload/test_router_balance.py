@@ -8,9 +8,10 @@ outrun the bias: a router whose weights are held at their start collapses the sa
 input comes to share one direction (a third of its norm at the start, nine tenths after nine steps), and the
 router's weights then rank the experts alike for every token; the lead the bias has to take off grows with the
 width. Ten times the rate keeps a 128-wide model balanced, not a 512-wide one. megatron's auxiliary loss beside
-the bias (the catalog's slices since 2026-12-02: 0.3) trains the router's weights off the shared direction and
-holds the slice's own width (4,096). The per-step figures that say so: the busiest expert's bias, the shared
-share of the router's input. The routers' token counters stay fp32 under Float16Module (keep_router_counts_fp32).
+the bias (0.3, the catalog's slices' 2026-12-02..04; since then the recipe's 1e-3) trains the router's weights off
+the shared direction and holds the slice's own width (4,096) on CPU. The per-step figures that say so: the
+busiest expert's bias, the shared share of the router's input. The routers' token counters stay fp32 under
+Float16Module (keep_router_counts_fp32).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def test_the_slices_and_the_moe_proxy_train_with_megatrons_auxiliary_loss(name: 
     from stepdeploy.catalog import load_model
 
     kwargs = engine_megatron.load_balancing_kwargs(load_model(name).model_dump()["moe"])
-    assert kwargs == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.3,
+    assert kwargs == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-3,
                       "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}
     proxy = engine_megatron.load_balancing_kwargs(load_model("proxy-0.7b-moe").model_dump()["moe"])
     assert proxy == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
