@@ -253,3 +253,35 @@ def write_atomic(path: Path, data: str | bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _foreign_link(link: os.stat_result, holder: os.stat_result) -> bool:
+    """A symbolic link the kernel's fs.protected_symlinks would not follow: in a sticky, world-writable directory
+    (/tmp), owned neither by us nor by the directory's owner."""
+    shared = holder.st_mode & stat.S_ISVTX and holder.st_mode & stat.S_IWOTH
+    return bool(shared) and link.st_uid not in (os.geteuid(), holder.st_uid)
+
+
+def refuse_foreign_links(path: Path, what: str) -> None:
+    """Refuse (BadInput) a `path` one of whose existing components is a symbolic link another user planted in a
+    sticky world-writable directory such as /tmp: following it would write the `what` wherever that user chose.
+    Our own links, and links in directories only trusted users can write, are followed as usual."""
+    current = Path(path.anchor) if path.is_absolute() else Path()
+    for part in path.parts[1:] if path.is_absolute() else path.parts:
+        current = current / part
+        try:
+            info = os.lstat(current)
+        except FileNotFoundError:
+            return  # made by us from here on
+        except OSError as exc:
+            raise BadInput(f"{current}: cannot check it: {exc.strerror or exc}") from None
+        if not stat.S_ISLNK(info.st_mode):
+            continue
+        try:
+            holder = os.stat(current.parent)
+        except OSError as exc:
+            raise BadInput(f"{current.parent}: cannot check it: {exc.strerror or exc}") from None
+        if _foreign_link(info, holder):
+            raise BadInput(f"{current}: a symbolic link owned by uid {info.st_uid} in the shared directory "
+                           f"{current.parent}; refusing to follow it to write the {what}",
+                           hint="give a path that does not go through another user's link")

@@ -1,7 +1,8 @@
 """`stepdeploy data prepare`: local text files -> a megatron-core indexed dataset a run can train on.
 
 Exit codes: 0 written, 2 bad input (a missing, special, empty or non-UTF-8 input, a bad JSONL line, a tokenizer
-that cannot be read, an existing output)."""
+that cannot be read, an existing output name (a planted symbolic link included), an output path through another
+user's symbolic link in a shared directory such as /tmp)."""
 
 from __future__ import annotations
 

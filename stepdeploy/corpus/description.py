@@ -91,6 +91,8 @@ class Description(BaseModel):
             raise ValueError("vocab and eod differ from the tokenizer's")
         if self.max_id >= self.vocab:
             raise ValueError(f"max_id {self.max_id} outside a vocabulary of {self.vocab}")
+        if self.max_id < self.eod:
+            raise ValueError(f"max_id {self.max_id} below the end-of-document id {self.eod} that ends every document")
         if self.tokens < self.documents:
             raise ValueError("fewer tokens than documents (each ends with its end-of-document id)")
         return self
@@ -102,10 +104,19 @@ def parse(data: Any, source: Path) -> Description:
         return Description.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "the document"
+        where = ".".join(_shown(part) for part in first["loc"]) or "the document"
         raise BadInput(f"{source}: not a dataset description `stepdeploy data prepare` wrote ({where}: "
-                       f"{first['msg']})", hint="prepare it again: stepdeploy data prepare FILES --out PREFIX"
-                       ) from None
+                       f"{_shown(first['msg'], 200)})",
+                       hint="prepare it again: stepdeploy data prepare FILES --out PREFIX") from None
+
+
+def _shown(part: object, most: int = 40) -> str:
+    """A field name or message from the file, printable and short: a key of a megabyte, or one holding a newline
+    or an escape sequence, can neither flood nor split the one `error:` line."""
+    text = str(part)
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if len(text) <= most else f"{text[:most]}..."
 
 
 @dataclass(frozen=True)
