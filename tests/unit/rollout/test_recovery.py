@@ -64,7 +64,7 @@ def test_a_failed_launch_names_a_full_disk_and_anything_else_plainly() -> None:
 
 
 def test_the_rollout_imports_nothing_of_the_simulated_cluster() -> None:
-    for path in sorted((PACKAGE / "rollout").glob("*.py")):
+    for path in sorted((PACKAGE / "rollout").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
