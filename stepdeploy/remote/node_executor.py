@@ -256,8 +256,8 @@ class NodeExecutor:
             try:
                 data = target.channel.get(f"{workdir}/fetch.tar.gz", limit=limit)
             except TooLarge:
-                return NodeResult(target.name, False, f"node {target.name} sent more than {limit // 2**20} MiB for "
-                                                      f"fetch.tar.gz, more than the limit of {limit // 2**20} MiB")
+                return NodeResult(target.name, False, f"node {target.name} sent a fetch.tar.gz larger than the "
+                                                      f"limit of {safe_extract.mib(limit)} MiB for one node; refused")
             finally:
                 self._sh(target, f"rm -rf -- {q(workdir)}")
             where = dest / target.node_dir

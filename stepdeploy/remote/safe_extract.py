@@ -13,7 +13,15 @@ archive asks for. Here tarfile only reads headers; we create every directory and
   once the whole archive is unpacked: the destination holds the node's files or its previous ones, never half;
 - a file over MAX_FILE_BYTES, an archive whose files add up to more than MAX_TOTAL_BYTES, more than MAX_MEMBERS
   entries or a header larger than MAX_HEADER_BYTES ends the unpacking with `FetchRefused`, whose message names
-  the node and the file; the limits are module constants, and parameters of `extract`.
+  the node, the file and the limit; the limits are module constants, and parameters of `extract` (`Limits`).
+  Sizes are judged from each header, before its data is read; the decompressed stream stops a little past
+  MAX_TOTAL_BYTES, so entries left out (a bad name, a link) cannot be used to send more.
+
+What a node sends (`NodeExecutor.fetch`): out/metrics.jsonl (one line per iteration and restart, a few KiB each
+with a MoE model's per-layer figures), out/phases.jsonl, out/status, out/heartbeat, out/*.json (profile and
+memory-trace summaries, KiB) and logs/; never checkpoints. A metrics file or log near MAX_FILE_BYTES is a soak of
+some 10^5 iterations; a node over a limit is the node's fault: `FetchRefused` is a StepdeployError of exit code
+EXIT_FAILED (1), and the executor answers it as that node's failure, never as every node's.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from stepdeploy.errors import EXIT_FAILED, StepdeployError
+
 MiB = 1024 * 1024
 MAX_FILE_BYTES = 512 * MiB  # one file (a chatty log of a long soak is the largest)
 MAX_TOTAL_BYTES = 1024 * MiB  # all of one node's files
@@ -43,8 +53,10 @@ _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXE
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class FetchRefused(Exception):
-    """The node's archive breaks a limit or is not a gzip'd tar: nothing of it is kept."""
+class FetchRefused(StepdeployError):
+    """The node's archive breaks a limit or is not a gzip'd tar: nothing of it is kept (the node's fault)."""
+
+    exit_code = EXIT_FAILED
 
 
 @dataclass(frozen=True)
@@ -61,8 +73,16 @@ class Extracted:
     left_out: tuple[str, ...]  # "NAME (why)" for every entry not written
 
 
-def _mib(size: int) -> str:
+def mib(size: int) -> str:
+    """Bytes as MiB for a message: one decimal at most (3, 0.3, 1024)."""
     return f"{size / MiB:.1f}".rstrip("0").rstrip(".")
+
+
+def _sizes(size: int, limit: int) -> tuple[str, str]:
+    """A size and the limit it passes, in MiB, or in bytes where MiB would show them equal (a byte over)."""
+    if mib(size) != mib(limit):
+        return f"{mib(size)} MiB", f"{mib(limit)} MiB"
+    return f"{size:,} bytes", f"{limit:,} bytes"
 
 
 class _Capped(io.RawIOBase):
@@ -81,15 +101,15 @@ class _Capped(io.RawIOBase):
     def read(self, size: int = -1) -> bytes:
         if size < 0 or size > self.header_bytes:
             raise FetchRefused(f"node {self.node} sent an archive with a header or read of more than "
-                               f"{_mib(self.header_bytes)} MiB; refused")
+                               f"{mib(self.header_bytes)} MiB; refused")
         if self.raw.tell() + size > self.end:
-            raise FetchRefused(f"node {self.node} sent an archive of more than {_mib(self.end)} MiB unpacked; refused")
+            raise FetchRefused(f"node {self.node} sent an archive of more than {mib(self.end)} MiB unpacked; refused")
         return self.raw.read(size)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         target = self.raw.seek(offset, whence)
         if target > self.end:
-            raise FetchRefused(f"node {self.node} sent an archive of more than {_mib(self.end)} MiB unpacked; refused")
+            raise FetchRefused(f"node {self.node} sent an archive of more than {mib(self.end)} MiB unpacked; refused")
         return target
 
     def tell(self) -> int:
@@ -186,12 +206,12 @@ def _unpack(archive: tarfile.TarFile, root_fd: int, node: str, limits: Limits) -
             left_out.append(f"{member.name[:200]!r} ({exc})")
             continue
         if member.size > limits.file_bytes:
-            raise FetchRefused(f"node {node} sent {_mib(member.size)} MiB for {name}, more than the limit of "
-                               f"{_mib(limits.file_bytes)} MiB")
+            sent, limit = _sizes(member.size, limits.file_bytes)
+            raise FetchRefused(f"node {node} sent {sent} for {name}, more than the limit of {limit} per file")
         total += member.size
         if total > limits.total_bytes:
-            raise FetchRefused(f"node {node} sent {_mib(total)} MiB in all by {name}, more than the limit of "
-                               f"{_mib(limits.total_bytes)} MiB for one node")
+            sent, limit = _sizes(total, limits.total_bytes)
+            raise FetchRefused(f"node {node} sent {sent} in all by {name}, more than the limit of {limit} for one node")
         source = archive.extractfile(member)
         if source is None:
             left_out.append(f"{name!r} (no data)")
@@ -240,4 +260,4 @@ def _replace(staging: Path, dest: Path) -> None:
 
 
 __all__ = ["MAX_FILE_BYTES", "MAX_MEMBERS", "MAX_TOTAL_BYTES", "Extracted", "FetchRefused", "Limits", "check_name",
-           "extract"]
+           "extract", "mib"]

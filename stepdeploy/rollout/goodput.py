@@ -17,10 +17,13 @@ The wall is the soak stage's first start to its end (or now). It splits into:
   than the wall (the nodes' clocks and the controller's disagree) the excess is reported as `overrun_s`.
 
 Times of metrics and phases come from rank 0's node, those of attempts and events from the controller.
+The cost is O(n log n) in the lines, phases, attempts and events (a soak of 20,000 restarts takes well under a
+second): every "the nearest", "the last before" and "the next after" is a binary search in a list sorted once.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -173,22 +176,87 @@ def _starts(phases: list[dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
 
 
 def _first_step_lines(lines: list[dict[str, Any]], groups: list[dict[str, dict[str, Any]]]) -> dict[int, int]:
-    """{metrics line index: start index} of every start's first step (its iteration, the line nearest in time)."""
+    """{metrics line index: start index} of every start's first step (its iteration, the line nearest in time;
+    the first in the file of lines equally near)."""
+    by_iteration: dict[Any, list[int]] = {}
+    for i, m in enumerate(lines):
+        by_iteration.setdefault(m["iteration"], []).append(i)
+    nearest: dict[int, _Nearest] = {}  # by id() of a by_iteration list, built when a start first asks for it
     found = {}
     for g, group in enumerate(groups):
         first = group.get("first_step")
-        same = [i for i, m in enumerate(lines) if first is not None and m["iteration"] == first.get("iteration")]
-        if first is not None and same:
-            found[min(same, key=lambda i: abs(float(lines[i].get("time") or 0.0) - float(first["time"])))] = g
+        if first is None:
+            continue
+        try:
+            same = by_iteration.get(first.get("iteration"))
+        except TypeError:  # an unhashable iteration (a list) equals no metrics line's
+            continue
+        if same:
+            finder = nearest.get(id(same)) or nearest.setdefault(id(same), _Nearest(lines, same))
+            found[finder.index(float(first["time"]))] = g
     return found
+
+
+class _Nearest:
+    """`min(indices, key=lambda i: abs(float(lines[i].get("time") or 0.0) - t))` for any number of t, each in
+    O(log n): the times sorted once, a binary search for t, then for the run of times at the same (rounded)
+    distance on either side, and the smallest index among them from a sparse table (min() keeps the first)."""
+
+    def __init__(self, lines: list[dict[str, Any]], indices: list[int]) -> None:
+        times = [float(lines[i].get("time") or 0.0) for i in indices]  # raises where min()'s key would
+        # a NaN key is never less than another, nor another less than it: min() keeps a NaN first, skips the rest
+        self.nan_first = indices[0] if math.isnan(times[0]) else None
+        pairs = sorted((t, i) for t, i in zip(times, indices, strict=True) if not math.isnan(t))
+        self.times = [t for t, _ in pairs]
+        self.table = [[i for _, i in pairs]]  # table[j][k]: the smallest index of sorted positions k..k+2**j-1
+        while 2 ** len(self.table) <= len(pairs):
+            row, half = self.table[-1], 2 ** (len(self.table) - 1)
+            self.table.append([min(row[k], row[k + half]) for k in range(len(row) - half)])
+
+    def index(self, t: float) -> int:
+        if self.nan_first is not None:
+            return self.nan_first
+        times, n = self.times, len(self.times)
+        split = bisect.bisect_right(times, t)  # times[:split] <= t < times[split:]: distance falls, then rises
+
+        def gap(k: int) -> float:
+            return abs(times[k] - t)
+
+        best = min([gap(k) for k in (split - 1, split) if 0 <= k < n])
+        low = bisect.bisect_left(range(split), True, key=lambda k: gap(k) <= best)
+        high = split + bisect.bisect_left(range(split, n), True, key=lambda k: gap(k) > best)
+        level = (high - low).bit_length() - 1
+        return min(self.table[level][low], self.table[level][high - 2**level])
+
+
+def _last_at_most(ordered: list[float], limit: float) -> float | None:
+    """`max(x for x in ordered if x <= limit)` of a sorted list (of equal values the first, as max() gives)."""
+    at = bisect.bisect_right(ordered, limit)
+    if at == 0 or not ordered[at - 1] <= limit:  # a NaN limit: nothing is <= it
+        return None
+    return ordered[bisect.bisect_left(ordered, ordered[at - 1])]
+
+
+def _first_after(ordered: list[float], limit: float, *, strict: bool) -> float | None:
+    """`next(x for x in ordered if x > limit)` (`x >= limit` unless strict) of a sorted list, else None."""
+    at = (bisect.bisect_right if strict else bisect.bisect_left)(ordered, limit)
+    found = ordered[at] if at < len(ordered) else None
+    return found if found is not None and (found > limit if strict else found >= limit) else None
+
+
+def _ordered(values: list[float]) -> list[float]:
+    """Sorted (stable: equal values keep their order), NaN left out: a NaN passes no comparison, so never a
+    `max(x ... if x <= y)` or `next(x ... if x > y)`."""
+    return sorted(v for v in values if not math.isnan(v))
 
 
 def _start_costs(groups: list[dict[str, dict[str, Any]]], launches: list[float], steady: float | None
                  ) -> list[StartCost]:
-    costs, used = [], set()
+    costs, used, ordered = [], set(), _ordered(launches)
     for group in groups:
         t0 = float(group["start"]["time"])
-        launch = max((x for x in launches if x <= t0 + LAUNCH_SLACK_S), default=t0)
+        found = _last_at_most(ordered, t0 + LAUNCH_SLACK_S)
+        launch = t0 if found is None else found
         launch = t0 if launch in used else launch  # a second start within one attempt began on its own
         used.add(launch)
         marks = [("launch", launch), ("imports_init", t0), ("model_build", _time(group, "initialized")),
@@ -214,20 +282,23 @@ def _time(group: dict[str, dict[str, Any]], phase: str) -> float | None:
 
 def _failures(events: list[dict[str, Any]], attempts: list[dict[str, Any]], lines: list[dict[str, Any]],
               phases: list[dict[str, Any]], started: float, ended: float) -> list[FailureCost]:
-    launches = sorted(float(a["started"]) for a in attempts)
+    launches = _ordered([float(a["started"]) for a in attempts])
     detected = [e for e in events if e["kind"] == "detected"]
-    stops = sorted(float(e["ts"]) for e in events if e["kind"] == "stop")
+    stops = _ordered([float(e["ts"]) for e in events if e["kind"] == "stop"])
     injected = [float(e["data"]["time"]) for e in events if e["kind"] == "inject" and _num(e["data"].get("time"))]
     seen = [float(m["time"]) for m in lines if _num(m.get("time")) is not None]
     seen += [float(p["time"]) for p in phases if _num(p.get("time")) is not None] + injected
+    seen = _ordered(seen)
     costs = []
     for event in detected:
         at = _num(event["data"].get("time")) or float(event["ts"])
-        since = max((x for x in launches if x <= at), default=started)
-        failed = max((t for t in seen if since <= t <= at), default=since)
-        stopped = next((t for t in stops if t >= at), None)
+        found = _last_at_most(launches, at)
+        since = started if found is None else found
+        last = _last_at_most(seen, at)  # the last thing seen up to the detection, if it is after `since`
+        failed = last if last is not None and since <= last else since
+        stopped = _first_after(stops, at, strict=False)
         after = stopped if stopped is not None else at
-        restarted = next((x for x in launches if x > after), None)
+        restarted = _first_after(launches, after, strict=True)
         parts = {"detection": at - failed, "stop": after - at, "restart": (restarted or ended) - after}
         costs.append(FailureCost(event["data"].get("kind"), failed, at, stopped, restarted,
                                  {k: max(0.0, v) for k, v in parts.items()}))
