@@ -68,6 +68,16 @@ def _segment_colors(data: RunData) -> dict[tuple[str, str], Any]:
     return dict(zip(segments, palette, strict=True))
 
 
+def draw(ax: Axes, axis: TimeAxis, points: list[dict[str, Any]], **style: Any) -> None:
+    """A line through `points`; where they are buckets of a long series (report/query.py), the band of each
+    bucket's minimum..maximum behind it, so a spike the mean smooths away still shows."""
+    x = [axis(p["ts"]) for p in points]
+    ax.plot(x, [p["value"] for p in points], **style)
+    if points and "low" in points[0]:
+        ax.fill_between(x, [p["low"] for p in points], [p["high"] for p in points], color=style.get("color"),
+                        alpha=0.3, linewidth=0)
+
+
 def per_attempt(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     grouped: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
@@ -86,8 +96,7 @@ def by_segment(data: RunData, ax: Axes, axis: TimeAxis, name: str, ylabel: str) 
         segment = data.segment_of[attempt_id]
         label = None if segment in labelled else plain("/".join(segment))
         labelled.add(segment)
-        ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color=colors[segment],
-                label=label, marker=marker, linewidth=1.3)
+        draw(ax, axis, points, color=colors[segment], label=label, marker=marker, linewidth=1.3)
     ax.set_ylabel(ylabel)
     legend(ax)
     return True

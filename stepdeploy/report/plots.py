@@ -20,6 +20,7 @@ from stepdeploy.report.plot_base import (
     Drawer,
     TimeAxis,
     by_segment,
+    draw,
     legend,
     per_attempt,
     plain,
@@ -33,6 +34,7 @@ STATUS_COLOR = {"passed": "#2ca02c", "failed": "#d62728", "running": "#ff7f0e", 
                 "skipped": "#c7c7c7", "pending": "#e0e0e0"}
 LABEL_WIDTH_PER_CHAR = 0.0065  # share of the time axis one label character takes; a narrower bar gets no label
 MAX_RANK_LINES = 16  # above this, per-rank step time is drawn as a min/median/max band
+MAX_FAULT_LABELS = 40  # faults named one by one on the timeline up to this many
 
 
 RANK_CAPTION = "step time of each rank (lines on top of each other: equally fast ranks; one above: a straggler)"
@@ -59,10 +61,10 @@ def write_plots(data: RunData, out_dir: Path, prefix: str) -> list[Plot]:
         training.GOODPUT_PLOT,
     ]
     plots = []
-    for name, title, caption, draw in drawers:
+    for name, title, caption, drawer in drawers:
         figure = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
         ax = figure.add_subplot()
-        if not draw(data, ax, axis):
+        if not drawer(data, ax, axis):
             continue
         ax.set_title(title, loc="left", fontsize=11)
         if name not in training.UNTIMED:
@@ -105,8 +107,8 @@ def _rank_step_time(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
     else:
         for rank in ranks:
             for i, points in enumerate(per_attempt([r for r in rows if r["rank"] == rank]).values()):
-                ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color=f"C{rank % 10}",
-                        label=f"rank {rank}" if i == 0 else None, linewidth=1.0)
+                draw(ax, axis, points, color=f"C{rank % 10}", label=f"rank {rank}" if i == 0 else None,
+                     linewidth=1.0)
     ax.set_ylabel("step time (s)")
     legend(ax)
     return True
@@ -127,8 +129,7 @@ def _rank_band(rows: list[dict[str, Any]], ax: Axes, axis: TimeAxis) -> None:
     _, slowest = rank_skew(rows)
     if slowest is not None:
         for i, points in enumerate(per_attempt([r for r in rows if r["rank"] == slowest]).values()):
-            ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color="#d62728", linewidth=1.0,
-                    label=f"slowest: rank {slowest}" if i == 0 else None)
+            draw(ax, axis, points, color="#d62728", linewidth=1.0, label=f"slowest: rank {slowest}" if i == 0 else None)
 
 
 def _memory(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
@@ -140,8 +141,7 @@ def _memory(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
             if not drawn:
                 shade_stages(data, ax, axis)
             drawn = True
-            ax.plot([axis(p["ts"]) for p in points], [p["value"] for p in points], color=f"C{i}",
-                    label=label if j == 0 else None, linewidth=1.2)
+            draw(ax, axis, points, color=f"C{i}", label=label if j == 0 else None, linewidth=1.2)
     if drawn:
         ax.set_ylabel("GiB")
         ax.set_ylim(bottom=0)
@@ -203,8 +203,14 @@ def _gate_marks(data: RunData, ax: Axes, axis: TimeAxis, y: float) -> None:
 
 
 def _fault_marks(data: RunData, ax: Axes, axis: TimeAxis, y: float) -> None:
-    for event in data.events:
-        if is_fault(event):
-            ax.plot([axis(event["ts"])], [y], marker="D", linestyle="", color="#ff7f0e", markersize=7)
-            ax.annotate(plain(event["kind"]), (axis(event["ts"]), y), xytext=(4, -12), textcoords="offset points",
-                        fontsize=7, color="#b35900")
+    """Every fault as a marker (one line of markers: a soak's thousands of monitor findings draw in one call),
+    named by its kind; above MAX_FAULT_LABELS faults only each kind's first one is named (the rest would be ink)."""
+    faults = [e for e in data.events if is_fault(e)]
+    if not faults:
+        return
+    ax.plot([axis(e["ts"]) for e in faults], [y] * len(faults), marker="D", linestyle="", color="#ff7f0e",
+            markersize=7)
+    named = faults if len(faults) <= MAX_FAULT_LABELS else list({e["kind"]: e for e in reversed(faults)}.values())
+    for event in named:
+        ax.annotate(plain(event["kind"]), (axis(event["ts"]), y), xytext=(4, -12), textcoords="offset points",
+                    fontsize=7, color="#b35900")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
 from stepdeploy.ledger import Ledger, Stage
 from stepdeploy.monitor.parse_workload import LAYER_METRICS, METRIC_NAMES, MTP_LOSS
+from stepdeploy.report import query
+from stepdeploy.report.query import RungFacts
 
 # Informational kinds the ledger and the rollout controller write (the soak's learning-rate schedule, its
 # resolved checkpoint interval and its goodput included); anything else (failure, restart, fault injection,
@@ -23,9 +25,15 @@ LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate", "warmup", "conf
                       "goodput")
 
 
+# The metrics the plots draw (report/plots*.py): the scalars and the per-layer/per-depth families by prefix.
+PLOTTED = ("loss", "tokens_per_s", "lr", "grad_norm", "moe_load_max", "moe_aux_loss_mean", "router_bias_absmax",
+           "rank_step_time_s", "mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib", "moe_load", "moe_aux_loss",
+           MTP_LOSS)
+
+
 @dataclass(frozen=True)
 class RunData:
-    """Everything the ledger holds about one run, as plain rows."""
+    """What the report reads of one run: its rows, and its metrics as report/query.py aggregates them."""
 
     run: dict[str, Any]
     stages: list[Stage]
@@ -33,14 +41,16 @@ class RunData:
     attempts: list[dict[str, Any]]
     verdicts: list[dict[str, Any]]
     events: list[dict[str, Any]]
-    metrics: dict[str, list[dict[str, Any]]]
+    metrics: dict[str, list[dict[str, Any]]]  # what the plots draw: every row, or buckets of a long series
+    facts: dict[tuple[str, str], RungFacts] = field(default_factory=dict)  # (stage, rung) -> exact figures
+    latest_rung: dict[str, tuple[str, str]] = field(default_factory=dict)  # metric -> rung that recorded it last
+    metrics_seen: float | None = None  # the latest time of a metric row
 
     @cached_property
     def last_seen(self) -> float:
         """The latest time the ledger knows of: where a still-running stage or attempt ends for now."""
         times = [self.run["updated"], *(e["ts"] for e in self.events)]
-        times += [row["ts"] for rows in self.metrics.values() for row in rows]
-        return max(times)
+        return max(times if self.metrics_seen is None else [*times, self.metrics_seen])
 
     def end_of(self, finished: float | None) -> float:
         return finished if finished is not None else self.last_seen
@@ -50,28 +60,34 @@ class RunData:
         """attempt id -> (stage, rung): metrics rows only name their attempt."""
         return {a["id"]: (a["stage"], a["rung"]) for a in self.attempts}
 
-    @cached_property
-    def _by_segment(self) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
-        index: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
-        for name, rows in self.metrics.items():
-            for row in rows:
-                if row["attempt_id"] in self.segment_of:
-                    index[(*self.segment_of[row["attempt_id"]], name)].append(row)
-        return index
-
-    def segment_metrics(self, name: str, stage: str, rung: str) -> list[dict[str, Any]]:
-        """One rung's rows of one metric, in ledger order (time, then rank)."""
-        return self._by_segment.get((stage, rung, name), [])
-
 
 def read_run(ledger: Ledger, run_id: str) -> RunData:
-    stages = ledger.stages(run_id)
-    per_layer = [n for n in ledger.metric_names(run_id) if n.split("/")[0] in (*LAYER_METRICS, MTP_LOSS) and "/" in n]
-    return RunData(run=ledger.run(run_id), stages=stages,
-                   rungs={s.name: ledger.rungs(run_id, s.name) for s in stages},
-                   attempts=ledger.attempts(run_id), verdicts=ledger.verdicts(run_id),
-                   events=ledger.events(run_id),
-                   metrics={n: ledger.metrics(run_id, n) for n in (*METRIC_NAMES, *per_layer)})
+    """The run's rows, and its metrics read through report/query.py (a long soak is never loaded row by row)."""
+    stages, attempts = ledger.stages(run_id), ledger.attempts(run_id)
+    db, ids = ledger.db, [a["id"] for a in attempts]
+    db.execute(f"PRAGMA cache_size = -{query.CACHE_KIB}")  # this connection only: an attempt's pages stay cached
+    recorded = {attempt: [n for n in query.attempt_metric_names(db, attempt) if _known(n)] for attempt in ids}
+    present = dict.fromkeys(n for names in recorded.values() for n in names)
+    per_layer = sorted(n for n in present if "/" in n)
+    names = [n for n in METRIC_NAMES if n in present and n in PLOTTED] + [n for n in per_layer if n.split("/")[0]
+                                                                           in PLOTTED]
+    metrics = {n: query.series(db, run_id, n, ids, sampled=n.split("/")[0] in LAYER_METRICS) for n in names}
+    segments: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for a in attempts:
+        segments[(a["stage"], a["rung"])].append(a["id"])
+    rung_of = {a["id"]: (a["stage"], a["rung"]) for a in attempts}
+    latest = {name: rung_of[found] for name in ("loss", "tokens_per_s")
+              if (found := query.latest_attempt(db, run_id, ids, name)) is not None}
+    return RunData(run=ledger.run(run_id), stages=stages, rungs={s.name: ledger.rungs(run_id, s.name) for s in stages},
+                   attempts=attempts, verdicts=ledger.verdicts(run_id), events=ledger.events(run_id), metrics=metrics,
+                   facts={key: query.rung_facts(db, run_id, seg, METRIC_NAMES) for key, seg in segments.items()},
+                   latest_rung=latest,
+                   metrics_seen=query.last_metric_time(db, run_id, recorded))
+
+
+def _known(name: str) -> bool:
+    """A metric the report reads: a scalar of METRIC_NAMES, or one per MoE layer or MTP depth."""
+    return name in METRIC_NAMES or ("/" in name and name.split("/")[0] in (*LAYER_METRICS, MTP_LOSS))
 
 
 @dataclass(frozen=True)
@@ -285,29 +301,21 @@ def _rung(data: RunData, stage: str, rung: str) -> RungFigures:
     row = next((r for r in data.rungs.get(stage, []) if r["name"] == rung), None)
     attempts = [a for a in data.attempts if a["stage"] == stage and a["rung"] == rung]
     status = row["status"] if row else (attempts[-1]["status"] if attempts else "pending")
-
-    def values(name: str) -> list[float]:
-        return [m["value"] for m in data.segment_metrics(name, stage, rung)]
+    facts = data.facts.get((stage, rung), RungFacts())
 
     def latest(name: str) -> list[dict[str, Any]]:
         """Rows of the rung's last attempt that recorded `name`: what its gate judged, not a failed try."""
-        rows = data.segment_metrics(name, stage, rung)
-        return [r for r in rows if r["attempt_id"] == rows[-1]["attempt_id"]] if rows else []
+        return facts.latest.get(name, [])
 
     skew, slowest = rank_skew(latest("rank_step_time_s"))
     return RungFigures(
         stage=stage, rung=rung, status=status, reason=row["reason"] if row else None,
         attempts=len(attempts), failed_attempts=sum(a["status"] == "failed" for a in attempts),
-        steps=_steps(data, stage, rung), final_loss=_last(values("loss")),
+        steps=facts.steps, final_loss=facts.final_loss,
         tokens_per_s=_median([r["value"] for r in latest("tokens_per_s")]),
         step_time_s=_median([r["value"] for r in latest("step_time_s")]),
-        rank_skew=skew, slowest_rank=slowest, peak_mem_gib=max(values("mem_peak_gib"), default=None),
+        rank_skew=skew, slowest_rank=slowest, peak_mem_gib=facts.peak_mem_gib,
         wall_s=_attempts_wall(data, attempts), detail=attempts[-1]["detail"] if attempts else {})
-
-
-def _steps(data: RunData, stage: str, rung: str) -> int | None:
-    iterations = [m["iteration"] for name in METRIC_NAMES for m in data.segment_metrics(name, stage, rung)]
-    return max(iterations, default=None)
 
 
 def rank_skew(rows: list[dict[str, Any]]) -> tuple[float | None, int | None]:
@@ -325,10 +333,6 @@ def rank_skew(rows: list[dict[str, Any]]) -> tuple[float | None, int | None]:
 def _attempts_wall(data: RunData, attempts: list[dict[str, Any]]) -> float | None:
     """Summed over attempts; one still running (or left running by a killed controller) counts until now."""
     return sum(data.end_of(a["finished"]) - a["started"] for a in attempts) if attempts else None
-
-
-def _last(values: list[float]) -> float | None:
-    return values[-1] if values else None
 
 
 def _median(values: list[float]) -> float | None:
@@ -354,11 +358,9 @@ def _key_figures(data: RunData, stages: list[StageSummary]) -> KeyFigures:
 
 def _latest(data: RunData, name: str, pick: Any, rungs: list[RungFigures]) -> tuple[float | None, str | None]:
     """The figure of the rung that recorded `name` last: the run's most recent configuration."""
-    owner = data.segment_of
-    rows = [m for m in data.metrics.get(name, []) if m["attempt_id"] in owner]
-    if not rows:
+    if name not in data.latest_rung:
         return None, None
-    stage, rung = owner[max(rows, key=lambda m: m["ts"])["attempt_id"]]
+    stage, rung = data.latest_rung[name]
     figures = next(r for r in rungs if (r.stage, r.rung) == (stage, rung))
     return pick(figures), f"{stage}/{rung}"
 
