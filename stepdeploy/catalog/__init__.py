@@ -1,7 +1,7 @@
 """The catalog: model architectures and GPU/link specifications, each value with its source."""
 
 from stepdeploy.catalog.hardware import GIB, MIB, Efficiency, GpuSpec, Hardware, LinkSpec
-from stepdeploy.catalog.loader import gpu, link, load_hardware, load_model, model_names, parse_model
+from stepdeploy.catalog.loader import gpu, link, load_hardware, load_model, model_names, model_slug, parse_model
 from stepdeploy.catalog.model import LayerShape, ModelSpec, MoeSpec, TrainingDefaults
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "load_hardware",
     "load_model",
     "model_names",
+    "model_slug",
     "parse_model",
 ]

@@ -7,9 +7,11 @@ megatron-core model (tests/unit/plan/test_megatron_params.py) and compared param
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from stepdeploy.errors import BadInput
 
 AttentionKind = Literal["full", "sliding"]
 FfnKind = Literal["dense", "moe"]
@@ -187,3 +189,13 @@ class LayerShape:
     rope: RopeSpec = DEFAULT_ROPE
     swiglu_limit: float | None = None  # routed experts
     shared_swiglu_limit: float | None = None  # the shared expert, or the dense MLP
+
+
+def parse_model(data: dict[str, Any], origin: str = "<model>") -> ModelSpec:
+    """A ModelSpec from its fields; BadInput (one line) naming the first field that is wrong."""
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise BadInput(f"{origin}: {where}: {first['msg']}") from exc

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from stepdeploy.catalog import model_slug
 from stepdeploy.cli.common import finite_option
 from stepdeploy.cli.output import emit_json, err, info, out, warn
 from stepdeploy.render import RenderOptions, parse_env
@@ -61,7 +62,7 @@ def render(
 ) -> None:
     """Render per-node launch scripts, environment, workload config and a manifest into a run directory."""
     opts = RenderOptions(
-        run_id=run_id or f"{model}-{stage}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
+        run_id=run_id or f"{model_slug(model)}-{stage}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}",
         stage=stage, engine=engine, iterations=iterations, seq_length=seq, global_batch_size=gbs,
         nproc_per_node=nproc, pg_timeout_s=pg_timeout, save_interval=save_interval, lr=lr,
         warmup_iterations=warmup_iterations, keep_checkpoints=keep_checkpoints,

@@ -13,7 +13,7 @@ from rich.table import Table
 from stepdeploy import corpus, safeio
 from stepdeploy.cli.common import connecting_cluster, finite_option, insecure_option
 from stepdeploy.cli.output import emit_json, err, info, out, warn
-from stepdeploy.cli.rollout_checks import check_run_name, default_run_name, prepare, print_plan
+from stepdeploy.cli.rollout_checks import check_run_name, default_run_name, model_argument, prepare, print_plan
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
@@ -87,6 +87,7 @@ def run_cmd(
     insecure: bool = INSECURE,
 ) -> None:
     """Start a rollout. Exit 0 all stages passed, 1 a gate failed (resume with `rollout resume RUN`)."""
+    model = model_argument(model)  # a model file by its absolute path: `rollout resume` runs from anywhere
     config = RolloutConfig(inventory=str(Path(inventory).resolve()), model=model, stages=parse_stages(stages),
                            layout=layout, warmup_iterations=warmup_iterations, scale_iterations=scale_iterations,
                            soak_duration_s=parse_duration(soak_duration), soak_iterations=soak_iterations,

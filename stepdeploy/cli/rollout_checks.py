@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from stepdeploy.cli.common import connecting_cluster
@@ -23,9 +24,21 @@ MAX_RUN_NAME = 36
 
 
 def default_run_name(model: str, when: time.struct_time) -> str:
-    """MODEL-STAMP, the model's name cut to fit MAX_RUN_NAME (step-3.5-flash-slice-1gpu's whole name does not)."""
+    """MODEL-STAMP, the model's name (a file's: its slug) cut to fit MAX_RUN_NAME (step-3.5-flash-slice-1gpu's whole
+    name does not)."""
+    from stepdeploy.catalog import model_slug
+
     stamp = time.strftime("%Y%m%dT%H%M%SZ", when)
-    return f"{model[:MAX_RUN_NAME - len(stamp) - 1].rstrip('._-')}-{stamp}"
+    return f"{model_slug(model)[:MAX_RUN_NAME - len(stamp) - 1].rstrip('._-')}-{stamp}"
+
+
+def model_argument(model: str) -> str:
+    """`--model` as the ledger keeps it: a catalog name as given, a model file (catalog/loader.py) by its absolute
+    path, so that `rollout resume` from another directory reads the same file."""
+    from stepdeploy.catalog import model_names
+
+    path = Path(model)
+    return model if model in model_names() or not path.exists() else str(path.resolve())
 
 
 def check_run_name(run_id: str) -> None:
