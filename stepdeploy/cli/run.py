@@ -54,7 +54,9 @@ def _report(results: list[NodeResult], verb: str) -> None:
     for result in results:
         out.print(f"{result.node}: {'ok' if result.ok else 'FAILED'} {result.detail}", markup=False)
     if not all(r.ok for r in results):
-        unreachable = all("unreachable" in r.detail for r in results if not r.ok)
+        # "unreachable: ..." is what an executor says of a node it could not reach; the rest of a detail may quote
+        # what the node sent (a file name), which must not turn a failure into "unreachable"
+        unreachable = all(r.detail.startswith("unreachable: ") for r in results if not r.ok)
         raise typer.Exit(EXIT_UNREACHABLE if unreachable else EXIT_FAILED)
     info(f"{verb} on {len(results)} node(s)")
 

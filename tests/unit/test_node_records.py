@@ -242,3 +242,20 @@ def test_the_records_parser_refuses_nan_outside_metrics() -> None:
     with pytest.raises(BadRecord, match="NaN"):
         noderecords.loads('{"time": NaN}')
     assert math.isnan(noderecords.loads('{"loss": NaN}', allow_nan=True)["loss"])
+
+
+def test_a_node_cannot_make_its_failure_read_as_unreachable() -> None:
+    """`run fetch` and friends exit 3 only for nodes the executor could not reach: a refusal that quotes a name the
+    node chose ("...unreachable...") stays a failure, exit 1."""
+    import typer
+
+    from stepdeploy.cli.run import _report
+    from stepdeploy.errors import EXIT_FAILED, EXIT_UNREACHABLE
+    from stepdeploy.remote.executor import NodeResult
+
+    quoted = NodeResult("n1", False, "fetch refused: member 'unreachable.log' is a symbolic link")
+    for results, code in (([quoted], EXIT_FAILED), ([NodeResult("n1", False, "unreachable: TimeoutError")],
+                                                    EXIT_UNREACHABLE)):
+        with pytest.raises(typer.Exit) as exited:
+            _report(results, "fetched")
+        assert exited.value.exit_code == code
