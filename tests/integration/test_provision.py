@@ -74,7 +74,10 @@ def test_seed_profile_on_gb10_is_refused_before_any_node_changes(
     conflict, stopped = recap["failures"]
     assert conflict["host"] == "node2" and "compatibility matrix" in conflict["task"]
     assert "CUDA 12.3" in conflict["message"] and "sm_121" in conflict["message"]
-    assert "spark-cuda13" in conflict["message"]  # a profile that would work
+    # a profile that would work on THIS host: the simulated node2 reports a GB10 but its CPU is x86_64, and
+    # spark-cuda13's packages are aarch64 (a real DGX Spark is aarch64 and is offered spark-cuda13: the unit test
+    # test_an_aarch64_node_is_offered_only_aarch64_profiles); never a profile of another CPU architecture
+    assert "blackwell-cu130" in conflict["message"] and "spark-cuda13" not in conflict["message"]
     assert stopped["host"] == "node1" and "failed on node2, so no node is changed" in stopped["message"]
     after = {n.name: _upper_files(sim_cluster, n.name) for n in sim_cluster.state.nodes}
     assert after == before, "a refused provision must not change any node"

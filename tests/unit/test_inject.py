@@ -82,7 +82,7 @@ def test_cli_refuses_a_bad_inject_before_anything_starts(tmp_path):
     import sys
     from pathlib import Path
 
-    inventory = Path(__file__).parents[2] / "inventory" / "dgx.ini"
+    inventory = Path(__file__).parents[2] / "inventory" / "examples" / "hgx-h100-pair.ini"  # a stack the engine runs
     res = subprocess.run([sys.executable, "-m", "stepdeploy", "rollout", "run", "-i", str(inventory), "-m",
                           "tiny-dense", "--stages", "soak", "--inject", "hang:node=1@1m", "--run-dir",
                           str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
@@ -111,7 +111,7 @@ def test_soak_monitor_options_reach_the_plan_and_bad_values_exit_2(tmp_path):
     import sys
     from pathlib import Path
 
-    inventory = Path(__file__).parents[2] / "inventory" / "dgx.ini"
+    inventory = Path(__file__).parents[2] / "inventory" / "examples" / "hgx-h100-pair.ini"  # a stack the engine runs
     base = [sys.executable, "-m", "stepdeploy", "rollout", "run", "-i", str(inventory), "-m", "tiny-dense",
             "--stages", "soak", "--run-dir", str(tmp_path / "r")]
     res = subprocess.run([*base, "--heartbeat-timeout", "5m", "--monitor-interval", "2s", "--max-restarts", "1",
