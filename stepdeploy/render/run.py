@@ -29,7 +29,7 @@ from stepdeploy.render import sbatch, templating
 from stepdeploy.render.environment import NodeFacts, node_environment
 from stepdeploy.render.manifest import Manifest
 from stepdeploy.render.options import RenderOptions
-from stepdeploy.render.workload import check_engine, check_stack, choose_engine, workload_config
+from stepdeploy.render.workload import check_engine, choose_engine, workload_config
 
 DATASET_PATH = "data/corpus"  # where a run directory holds its prepared dataset (.bin, .idx)
 WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatron_ckpt.py", "megatron_writer.py",
@@ -111,12 +111,11 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
                facts: dict[str, NodeFacts] | None = None, peak_tflops: float | None = None,
                dataset: ShippedDataset | None = None) -> RenderedRun:
     """Every file of the run directory, as text (a dataset's files as bytes). `inputs` and `created` go into the
-    manifest verbatim."""
+    manifest verbatim. The stack profile is judged before this, once, by build_run (compat.require_stack)."""
     nproc = _nproc(cluster, opts)
     gpus = cluster.nodes[0].gpus_per_node or 0
     engine = choose_engine(opts, gpus)
     check_engine(engine, layout, spec, gpus)
-    check_stack(cluster.profile, spec, engine)
     world = nproc * len(cluster.nodes)
     workload = workload_config(spec, layout, opts, engine=engine, world=world, peak_tflops=peak_tflops)
     data_files: list[RenderedFile] = []

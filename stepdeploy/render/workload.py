@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepdeploy import compat
 from stepdeploy.catalog import LayerShape, ModelSpec
 from stepdeploy.errors import BadInput
 from stepdeploy.plan import engines
@@ -16,7 +15,6 @@ from stepdeploy.plan.flops import model_flops_per_token
 from stepdeploy.plan.layout import Layout, stage_layer_counts, vpp_group_size
 from stepdeploy.plan.params import count_parameters
 from stepdeploy.render.options import DEFAULT_LR, RenderOptions
-from stepdeploy.stack import StackProfile, load_profiles
 
 MODEL_FIELDS_DROPPED = ("description", "sources", "training")
 
@@ -50,23 +48,6 @@ def check_engine(engine: str, layout: Layout, spec: ModelSpec, gpus_per_node: in
         raise BadInput(f"{spec.name}: the torch engine trains uniform layers only (no sliding windows, per-head "
                        "gates, per-layer RoPE, zero-centred norms or SwiGLU clamps)",
                        hint="pass --engine megatron on GPU nodes, or use a proxy model (e.g. tiny-moe)")
-
-
-def check_stack(profile: StackProfile | None, spec: ModelSpec, engine: str) -> None:
-    """Refuse a profile that cannot run the model's features in the megatron engine (the compat matrix's
-    engine_features), naming the shipped profiles that can."""
-    if engine != "megatron" or profile is None:
-        return
-    features = {"sliding_window": spec.sliding_window is not None,
-                "per_layer": not spec.uniform_attention or spec.mtp_num_layers > 0}
-    conflicts = compat.model_conflicts(profile, **features, where=spec.name)
-    if conflicts:
-        good = [name for name, p in load_profiles().items() if p.cuda and not compat.model_conflicts(p, **features,
-                                                                                                        where="")]
-        first = conflicts[0]
-        raise BadInput(f"profile {profile.name} cannot run {spec.name}: {first.component} {first.found}, needs "
-                       f"{first.required} ({' '.join(first.source.split())})",
-                       hint=f"name a profile that can (stepdeploy_profile): {', '.join(good) or 'none shipped'}")
 
 
 def workload_config(spec: ModelSpec, layout: Layout, opts: RenderOptions, *, engine: str, world: int,

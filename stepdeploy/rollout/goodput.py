@@ -18,7 +18,8 @@ The wall is the soak stage's first start to its end (or now). It splits into:
 
 Times of metrics and phases come from rank 0's node, those of attempts and events from the controller.
 The cost is O(n log n) in the lines, phases, attempts and events (a soak of 20,000 restarts takes well under a
-second): every "the nearest", "the last before" and "the next after" is a binary search in a list sorted once.
+second): a start's first step is looked up among the lines of its iteration, and every "the last before" and "the
+next after" is a binary search in a list sorted once.
 """
 
 from __future__ import annotations
@@ -181,7 +182,6 @@ def _first_step_lines(lines: list[dict[str, Any]], groups: list[dict[str, dict[s
     by_iteration: dict[Any, list[int]] = {}
     for i, m in enumerate(lines):
         by_iteration.setdefault(m["iteration"], []).append(i)
-    nearest: dict[int, _Nearest] = {}  # by id() of a by_iteration list, built when a start first asks for it
     found = {}
     for g, group in enumerate(groups):
         first = group.get("first_step")
@@ -191,42 +191,9 @@ def _first_step_lines(lines: list[dict[str, Any]], groups: list[dict[str, dict[s
             same = by_iteration.get(first.get("iteration"))
         except TypeError:  # an unhashable iteration (a list) equals no metrics line's
             continue
-        if same:
-            finder = nearest.get(id(same)) or nearest.setdefault(id(same), _Nearest(lines, same))
-            found[finder.index(float(first["time"]))] = g
+        if same:  # the lines of one iteration: the ones the restarts redid, a few
+            found[min(same, key=lambda i: abs(float(lines[i].get("time") or 0.0) - float(first["time"])))] = g
     return found
-
-
-class _Nearest:
-    """`min(indices, key=lambda i: abs(float(lines[i].get("time") or 0.0) - t))` for any number of t, each in
-    O(log n): the times sorted once, a binary search for t, then for the run of times at the same (rounded)
-    distance on either side, and the smallest index among them from a sparse table (min() keeps the first)."""
-
-    def __init__(self, lines: list[dict[str, Any]], indices: list[int]) -> None:
-        times = [float(lines[i].get("time") or 0.0) for i in indices]  # raises where min()'s key would
-        # a NaN key is never less than another, nor another less than it: min() keeps a NaN first, skips the rest
-        self.nan_first = indices[0] if math.isnan(times[0]) else None
-        pairs = sorted((t, i) for t, i in zip(times, indices, strict=True) if not math.isnan(t))
-        self.times = [t for t, _ in pairs]
-        self.table = [[i for _, i in pairs]]  # table[j][k]: the smallest index of sorted positions k..k+2**j-1
-        while 2 ** len(self.table) <= len(pairs):
-            row, half = self.table[-1], 2 ** (len(self.table) - 1)
-            self.table.append([min(row[k], row[k + half]) for k in range(len(row) - half)])
-
-    def index(self, t: float) -> int:
-        if self.nan_first is not None:
-            return self.nan_first
-        times, n = self.times, len(self.times)
-        split = bisect.bisect_right(times, t)  # times[:split] <= t < times[split:]: distance falls, then rises
-
-        def gap(k: int) -> float:
-            return abs(times[k] - t)
-
-        best = min([gap(k) for k in (split - 1, split) if 0 <= k < n])
-        low = bisect.bisect_left(range(split), True, key=lambda k: gap(k) <= best)
-        high = split + bisect.bisect_left(range(split, n), True, key=lambda k: gap(k) > best)
-        level = (high - low).bit_length() - 1
-        return min(self.table[level][low], self.table[level][high - 2**level])
 
 
 def _last_at_most(ordered: list[float], limit: float) -> float | None:
