@@ -21,7 +21,7 @@ from stepdeploy.cli.rollout import parse_mtbf
 from stepdeploy.errors import EXIT_FAILED, BadInput
 from stepdeploy.inventory import load_cluster
 from stepdeploy.inventory.model import Cluster
-from stepdeploy.plan import checkpoint, engines, report
+from stepdeploy.plan import checkpoint, engines, report, restart
 from stepdeploy.plan.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterShape, cluster_shape, shape_from_cluster
 from stepdeploy.plan.layout import Job, Layout, check_sequence, parse_layout
 from stepdeploy.plan.params import count_parameters
@@ -157,10 +157,11 @@ def plan(
             spec, cluster, hardware, seq_length, global_batch, margin
         )
     interval = _checkpoint_interval(params.total, result, given, mtbf_s)
+    restarts = _restart_estimates(params.total, result, given, mtbf_s)
     cap = batch_cap(spec, result, hardware, margin)
     if cap is not None:
         warn(report.batch_cap_text(cap))
-    _emit(result, given, top, as_json, interval, cap, report.params_dict(params) if explain else None)
+    _emit(result, given, top, as_json, interval, cap, report.params_dict(params) if explain else None, restarts)
     if explain and not as_json:
         out.print(f"What the {engines.DEFAULT_ENGINE} engine runs (the layouts above are only those):", markup=False)
         for line in engines.explain(engines.DEFAULT_ENGINE, spec):
@@ -182,15 +183,32 @@ def _checkpoint_interval(params: int, result: PlanResult, given: Any, mtbf_s: fl
                               f"the planner's step for {verdict.layout.short()}", shape.world, mtbf_s)
 
 
+def _restart_estimates(params: int, result: PlanResult, given: Any, mtbf_s: float | None
+                       ) -> list[restart.RestartEstimate]:
+    """Restart time and goodput (issue 37) for the layout the interval is for, here and at 16 x and 1,024 x its
+    nodes' kind; none when nothing fits or the cluster has no GPUs."""
+    verdict = given if given is not None and given.fits else next(iter(result.fitting), None)
+    shape = result.cluster
+    if verdict is None or verdict.time is None or verdict.memory is None or not shape.gpus_per_node:
+        return []
+    worst = verdict.memory.worst
+    optimizer = worst.components["optimizer"] + worst.host_offload
+    return restart.layout_estimates(params, worst.components["weights"], optimizer,
+                                    verdict.layout.distributed_optimizer, shape.nodes, shape.gpus_per_node,
+                                    verdict.time.seconds, mtbf_s)
+
+
 def _emit(result: PlanResult, given: Any, top: int, as_json: bool, interval: checkpoint.CheckpointInterval | None,
-          cap: BatchCap | None, parameters: dict[str, Any] | None = None) -> None:
+          cap: BatchCap | None, parameters: dict[str, Any] | None = None,
+          restarts: list[restart.RestartEstimate] | None = None) -> None:
+    restarts = restarts or []
     if as_json:  # one document: --explain's breakdown goes into it, never before it
         data = report.result_dict(result, top)
         if given:
             data = {"layout": report.verdict_dict(given, result.job), "alternatives": data}
         extra = {"parameters": parameters} if parameters is not None else {}
         emit_json({**data, "checkpoint_interval": interval.to_json() if interval else None,
-                   "batch_cap": report.batch_cap_dict(cap), **extra})
+                   "batch_cap": report.batch_cap_dict(cap), "restart": report.restart_dict(restarts), **extra})
         return
     if given:
         _print_layout_verdict(result.job, given, result.cluster)
@@ -202,6 +220,8 @@ def _emit(result: PlanResult, given: Any, top: int, as_json: bool, interval: che
     if interval is not None:
         out.print(f"Checkpoint interval (Young/Daly, what --checkpoint-interval auto starts from): "
                   f"{interval.describe()}", markup=False)
+    for line in report.restart_lines(restarts):
+        out.print(line, markup=False)
 
 
 __all__ = ["Layout", "plan"]

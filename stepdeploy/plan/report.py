@@ -14,6 +14,7 @@ from stepdeploy.plan.constraints import RULES
 from stepdeploy.plan.layout import Layout, stage_layer_counts
 from stepdeploy.plan.memory import COMPONENTS, MemoryEstimate
 from stepdeploy.plan.params import LayerParams, ParamCount
+from stepdeploy.plan.restart import ASSUMPTIONS, RestartEstimate
 from stepdeploy.plan.search import BatchCap, PlanResult, Verdict
 
 RULE_SUMMARY = {rule.name: rule.summary for rule in RULES} | {
@@ -310,3 +311,21 @@ def batch_cap_dict(cap: BatchCap | None) -> dict[str, Any] | None:
                      "mfu": cap.uncapped.time.mfu if cap.uncapped.time else None},
         "message": batch_cap_text(cap),
     }
+
+
+def restart_dict(estimates: list[RestartEstimate]) -> dict[str, Any] | None:
+    """`plan --json`'s `restart`: restart time and goodput per scale (issue 37), with every assumption."""
+    if not estimates:
+        return None
+    return {"estimates": [estimate.to_json() for estimate in estimates], "assumptions": list(ASSUMPTIONS)}
+
+
+def restart_lines(estimates: list[RestartEstimate]) -> list[str]:
+    """The plan's text: one line per scale, then the assumptions."""
+    if not estimates:
+        return []
+    lines = ["Restart and goodput on paper (this layout; failures at Llama 3's rate, stepdeploy/plan/restart.py):"]
+    lines += [f"  - {estimate.describe()}" for estimate in estimates]
+    lines.append("  assuming:")
+    lines += [f"  * {assumption}" for assumption in ASSUMPTIONS]
+    return lines
