@@ -11,14 +11,20 @@ A checkpoint directory `iter_NNNNNNN` is complete or it is not a checkpoint:
             copy, then retention: the newest K complete checkpoints up to N stay (none newer than N: those belong
             to a timeline the run went back from). What goes is renamed out of sight first; the deletion itself
             may run in a thread of its own (Remover), off the training loop
-    repair  on resume, before anything reads: a sealed staging directory whose commit was cut short is rolled
-            forward, a re-save's aside copy is put back when the new one never arrived, everything else half-made
-            (unsealed staging, asides, deletions, `.latest.tmp-*`) is removed, and `latest` is made to name the
-            newest complete checkpoint.
+    repair  on resume, before anything reads: a checkpoint is committed only when `latest` names it, so a
+            sealed staging directory whose commit was cut short is discarded (never rolled forward: another node
+            may not have sealed its part), and so is a complete iter_N newer than `latest` (its commit was cut
+            between the rename and `latest`, or it belongs to a timeline the run went back from) and, with no
+            `latest` at all, every iter_N; a re-save's aside copy is put back when the new one never arrived;
+            everything else half-made (unsealed staging, asides, deletions, `.latest.tmp-*`) is removed. A
+            `latest` that names no complete checkpoint (damaged) is made to name the newest complete one.
+    discard a stop, a failure or the end of a run removes this start's staging directories (discard_staging):
+            renamed out of sight first, so a writer still running cannot recreate or refill them.
 
 `latest` only ever names a complete checkpoint; readers still verify the marker (latest_iteration), and take the
-newest complete one when `latest` is missing or wrong. Renames of whole directories and the marker make every
-step atomic: a kill at any instant leaves the previous checkpoint or the new one, both whole.
+newest complete one when `latest` is wrong. A resume reads committed_iterations() only. Renames of whole
+directories and the marker make every step atomic: a kill at any instant leaves the previous checkpoint or the new
+one, both whole.
 """
 
 from __future__ import annotations
@@ -116,7 +122,14 @@ def staging_path(ckpt_dir: Path, iteration: int, token: str = "") -> Path:
 def seal(staging: Path, iteration: int) -> None:
     """Make the staged checkpoint durable, then mark it complete (the marker last, then the directory entry)."""
     _fsync_tree(staging)
-    atomic_write_json(staging / COMPLETE, {"iteration": iteration, "sealed": time.time()})
+    # not atomic_write_json, which makes missing parents: a staging directory discarded meanwhile (a stop) must
+    # stay gone, not come back holding the marker alone
+    tmp = staging / f".{COMPLETE}.tmp-{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(json.dumps({"iteration": iteration, "sealed": time.time()}, sort_keys=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, staging / COMPLETE)
     _fsync_dir(staging)
 
 
@@ -168,12 +181,15 @@ def prune(ckpt_dir: Path, keep: int, committed: int, remove: Callable[[Path], No
 
 
 def repair(ckpt_dir: Path) -> list[str]:
-    """Before a resume reads ckpt_dir (one process per directory): finish or undo what a kill cut short, remove
-    stale temporaries, and make `latest` name the newest complete checkpoint. Returns what it did (for the log)."""
+    """Before a resume reads ckpt_dir (one process per directory): undo what a kill cut short, remove stale
+    temporaries and every checkpoint `latest` does not commit. Returns what it did (for the log)."""
     if not ckpt_dir.is_dir():
         return []
     done: list[str] = []
-    done += _put_in_place(ckpt_dir, _STAGED, "rolled sealed {name} forward to {final}")
+    for path in _entries(ckpt_dir):
+        if _STAGED.fullmatch(path.name):  # sealed or not: its commit never happened
+            _remove(path)
+            done.append(f"removed {path.name} (its save was never committed)")
     done += _put_in_place(ckpt_dir, _ASIDE, "put {name} back as {final}")
     for path in _entries(ckpt_dir):
         if _DOOMED.fullmatch(path.name):
@@ -184,6 +200,33 @@ def repair(ckpt_dir: Path) -> list[str]:
         _fsync_dir(ckpt_dir)
     return done
 
+
+def committed_iterations(ckpt_dir: Path) -> list[int]:
+    """The iterations a resume may read, oldest first: the complete checkpoints up to the one `latest` names (none
+    without `latest`: a first checkpoint whose commit was cut short; every complete one when `latest` is damaged,
+    as repair() then leaves it)."""
+    complete = complete_iterations(ckpt_dir)
+    named = _named(ckpt_dir)
+    if named == _MISSING:
+        return []
+    if named is not None and named in complete:
+        return [i for i in complete if i <= named]
+    return complete
+
+
+def discard_staging(ckpt_dir: Path, token: str) -> list[str]:
+    """A stop, a failure or the end of a run: remove this start's staging directories (their saves were never
+    committed), each renamed out of sight first (a writer still running then cannot refill it). -> the log lines"""
+    done = []
+    for path in _entries(ckpt_dir):
+        if _STAGED.fullmatch(path.name) and path.name.endswith(f".tmp-{token}"):
+            try:
+                _discard(path)
+            except OSError as exc:  # the next start's repair() removes what is left
+                done.append(f"could not remove {path.name}: {exc}")
+                continue
+            done.append(f"removed {path.name} (its save was never committed)")
+    return done
 
 
 def _put_in_place(ckpt_dir: Path, pattern: re.Pattern[str], verb: str) -> list[str]:
@@ -206,15 +249,32 @@ def _put_in_place(ckpt_dir: Path, pattern: re.Pattern[str], verb: str) -> list[s
             done.append(f"removed {path.name}")
     return done
 
-def _repair_latest(ckpt_dir: Path) -> list[str]:
+_MISSING = -1  # _named(): no `latest` file at all
+
+
+def _named(ckpt_dir: Path) -> int | None:
+    """The iteration `latest` names; _MISSING without the file; None when it cannot be read as one."""
     try:
-        named: int | None = int((ckpt_dir / LATEST).read_text().strip())
+        return int((ckpt_dir / LATEST).read_text().strip())
+    except FileNotFoundError:
+        return _MISSING
     except (OSError, ValueError):
-        named = None
-    if named is not None and is_complete(ckpt_dir / iteration_name(named), named):
-        return []
+        return None
+
+
+def _repair_latest(ckpt_dir: Path) -> list[str]:
+    named = _named(ckpt_dir)
     complete = complete_iterations(ckpt_dir)
-    if complete:
+    if named is not None and (named == _MISSING or named in complete):
+        # committed: up to what `latest` names (nothing without it); a newer one never was, or is of a timeline
+        # the run went back from
+        done = []
+        for iteration in [i for i in complete if named == _MISSING or i > named]:
+            _discard(ckpt_dir / iteration_name(iteration))
+            done.append(f"removed {iteration_name(iteration)} (newer than `latest`"
+                        f"{'' if named == _MISSING else f' {named}'}: never committed)")
+        return done
+    if complete:  # `latest` damaged: the newest complete checkpoint
         atomic_write_text(ckpt_dir / LATEST, f"{complete[-1]}\n")
         return [f"latest named {named}, now {complete[-1]} (the newest complete checkpoint)"]
     if (ckpt_dir / LATEST).exists():

@@ -9,15 +9,11 @@ so a resumed run sees the same data it would have seen.
 
 from __future__ import annotations
 
-import atexit
-import copy
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import ckpt
 import data
 import moe_stats
 import torch
@@ -27,6 +23,7 @@ from metrics import RankFiles, log
 from schedule import lr_at
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch_ckpt import Saver
 
 
 class RMSNorm(nn.Module):
@@ -212,33 +209,34 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     params = sum(p.numel() for p in model.parameters())
     log(rank, f"torch engine: {params:,} parameters, world {world}, {micro_batches} micro-batch(es) of {mbs}x{seq}, "
               f"iterations {start + 1}..{train_cfg['iterations']}")
-    for iteration in range(start + 1, train_cfg["iterations"] + 1):
-        began = time.perf_counter()
-        lr = lr_at(iteration, cfg["training"])
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
-        for micro in range(micro_batches):
-            tokens = source.micro_batch(iteration, micro)
-            logits = ddp(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-            aux = sum((ffn.aux for ffn in moes if ffn.aux is not None), torch.zeros(()))
-            ((loss + aux) / micro_batches).backward()  # the LM loss is what is reported, as megatron does
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step = time.perf_counter() - began
-        for ffn in moes:
-            ffn.update_bias()
-        extra = stats.reduce() if stats is not None else {}
-        report(cfg, files, iteration, loss_sum / micro_batches, grad_norm, lr, step, world, extra)
-        if iteration == start + 1:
-            files.phase("first_step", iteration=iteration, step_s=round(step, 4))
-        saver.poll()
-        if should_save(iteration, train_cfg):
-            saver.save(model, optimizer, iteration)
-    saver.finish(train_cfg["iterations"])
+    with saver.discarding():  # a stop or a failure: this start's uncommitted staging directory goes
+        for iteration in range(start + 1, train_cfg["iterations"] + 1):
+            began = time.perf_counter()
+            lr = lr_at(iteration, cfg["training"])
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros(())
+            for micro in range(micro_batches):
+                tokens = source.micro_batch(iteration, micro)
+                logits = ddp(tokens[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+                aux = sum((ffn.aux for ffn in moes if ffn.aux is not None), torch.zeros(()))
+                ((loss + aux) / micro_batches).backward()  # the LM loss is what is reported, as megatron does
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step = time.perf_counter() - began
+            for ffn in moes:
+                ffn.update_bias()
+            extra = stats.reduce() if stats is not None else {}
+            report(cfg, files, iteration, loss_sum / micro_batches, grad_norm, lr, step, world, extra)
+            if iteration == start + 1:
+                files.phase("first_step", iteration=iteration, step_s=round(step, 4))
+            saver.poll()
+            if should_save(iteration, train_cfg):
+                saver.save(model, optimizer, iteration)
+        saver.finish(train_cfg["iterations"])
     return 0
 
 
@@ -278,102 +276,3 @@ def report(cfg: dict[str, Any], files: RankFiles, iteration: int, loss: torch.Te
 def should_save(iteration: int, train_cfg: dict[str, Any]) -> bool:
     interval = train_cfg["save_interval"]
     return iteration == train_cfg["iterations"] or bool(interval and iteration % interval == 0)
-
-
-class Saver:
-    """Checkpoints written in the background (ckpt.py's protocol, one directory per node, written by its local
-    rank 0): save() blocks only for a copy of the state in memory; a thread writes it, fsyncs and seals it; poll(),
-    called by every rank after every step, commits it once every node's write finished (an all-reduce while a
-    save is in flight), then applies retention. At most one save in flight: the next save and the end of training
-    wait for it. A stop or a crash in between leaves the previous checkpoint as `latest`."""
-
-    def __init__(self, ckpt_dir: Path, files: RankFiles, keep: int, writes: bool) -> None:
-        self.ckpt_dir, self.files, self.keep, self.writes = ckpt_dir, files, keep, writes
-        self.token = ckpt.new_token()
-        self.pending: dict[str, Any] | None = None
-        self.remover = ckpt.Remover()  # retention's deletions, off the step loop
-        atexit.register(self.remover.drain, ckpt.REMOVER_EXIT_WAIT_S)  # a stop: what is left, repair removes
-
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-        """Repair this node's store, then load the newest iteration every node has (0: a fresh start)."""
-        rank = dist.get_rank()
-        if self.writes:
-            for action in ckpt.repair(self.ckpt_dir):
-                log(rank, f"checkpoints: {action}")
-        dist.barrier()
-        mine = ckpt.complete_iterations(self.ckpt_dir)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        iteration = ckpt.newest_common(everyone)
-        if iteration == 0:
-            if mine:
-                log(rank, f"no checkpoint every node has (this one has {mine}): starting from iteration 0")
-            return 0
-        state = torch.load(self.ckpt_dir / ckpt.iteration_name(iteration) / "state.pt", weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        log(rank, f"resumed from checkpoint {iteration}")
-        return iteration
-
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, iteration: int) -> None:
-        began = time.time()
-        with self.files.saving(iteration):
-            self.poll(blocking=True)
-            outcome: dict[str, Any] = {}
-            thread, staging = None, None
-            if self.writes:
-                snapshot = {"iteration": iteration,
-                            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                            "optimizer": copy.deepcopy(optimizer.state_dict())}
-                staging = ckpt.staging_dir(self.ckpt_dir, iteration, self.token)
-                thread = threading.Thread(target=_write, args=(snapshot, staging, iteration, outcome),
-                                          name=f"checkpoint-{iteration}", daemon=True)
-                thread.start()
-        ended = time.time()
-        self.pending = {"iteration": iteration, "began": began, "ended": ended, "thread": thread,
-                        "staging": staging, "outcome": outcome}
-        self.files.phase("save", ended, iteration=iteration, began=began, blocking_s=round(ended - began, 4),
-                         background=True)
-
-    def finish(self, iteration: int) -> None:
-        """The end of training: wait for the save in flight and commit it (the heartbeat says "saving")."""
-        if self.pending is not None:
-            with self.files.saving(iteration):
-                self.poll(blocking=True)
-        self.remover.drain()
-
-    def poll(self, blocking: bool = False) -> None:
-        """Every rank: commit the save in flight once every node's write is done (blocking: wait for it)."""
-        pending = self.pending
-        if pending is None:
-            return
-        thread, outcome = pending["thread"], pending["outcome"]
-        if blocking and thread is not None:
-            thread.join()
-        flags = torch.tensor([int(thread is not None and thread.is_alive()), int("error" in outcome)])
-        dist.all_reduce(flags)
-        if flags[0]:
-            return
-        self.pending = None
-        iteration = pending["iteration"]
-        if "error" in outcome:
-            raise outcome["error"]
-        if flags[1]:
-            raise RuntimeError(f"checkpoint {iteration}: the write failed on another node (see its log)")
-        committing = time.time()
-        if self.writes:
-            ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep, remove=self.remover)
-        now = time.time()
-        written = outcome.get("written", committing)
-        self.files.phase("save_committed", now, iteration=iteration, began=pending["began"],
-                         background_s=round(written - pending["ended"], 4), commit_s=round(now - committing, 4))
-        log(dist.get_rank(), f"checkpoint {iteration} committed")
-
-
-def _write(snapshot: dict[str, Any], staging: Path, iteration: int, outcome: dict[str, Any]) -> None:
-    try:
-        torch.save(snapshot, staging / "state.pt")
-        ckpt.seal(staging, iteration)
-        outcome["written"] = time.time()
-    except Exception as exc:  # handed to the training thread, which raises it
-        outcome["error"] = exc

@@ -16,9 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
+import ckpt_room
 import megatron_writer
 import torch
 import torch.distributed as dist
+from megatron_state import (  # noqa: F401 (re-exported: the engine's and the tests' names)
+    checkpoint_metadata,
+    distopt_sharding,
+    host_copy_sizes,
+    inner_optimizers,
+    materialize_optimizer_state,
+    restore_adam_steps,
+    sharded_state,
+)
 from megatron_writer import SETUP_EXIT_WAIT_S, SaveSetup, pin_ahead, pin_host_blocks, writer_environment, writer_kind
 from metrics import log
 
@@ -57,6 +67,8 @@ class Saver:
         self.queue: Any = None
         self.pending: dict[str, Any] | None = None
         self.remover = ckpt.Remover()
+        self.reserve = ckpt_room.Reserve(ckpt_dir, rank)  # room to say so when the disk fills (ckpt_room.py)
+        self.size = 0  # bytes of the newest checkpoint committed or loaded: the room the next save needs
         self.handing: int | None = None  # the iteration whose save is being handed to the writer
         self.watchdog: megatron_writer.WriterWatchdog | None = None
         # STEPDEPLOY_CKPT_SETUP=0 (`render --env`): no set-up beforehand, the first save does it (to compare)
@@ -79,6 +91,7 @@ class Saver:
                 with torch.no_grad():
                     model.start_param_sync(force_sync=True)
             staging = ckpt.staging_path(self.ckpt_dir, iteration, self.token)
+            self._check_room(iteration)
             if self.rank == 0:
                 ckpt.staging_dir(self.ckpt_dir, iteration, self.token)
             dist.barrier()
@@ -134,7 +147,10 @@ class Saver:
             return False
         polled = time.time()
         if self.queue is not None and self.queue.get_num_unfinalized_calls():
-            self.queue.maybe_finalize_async_calls(blocking=blocking)
+            try:
+                self.queue.maybe_finalize_async_calls(blocking=blocking)
+            except Exception as exc:  # a write failed on some rank (megatron-core raises it on every rank)
+                self._failed(exc)
             if self.queue.get_num_unfinalized_calls():
                 return False
         if self.warming is not None:  # the writer's host memory is page-locked (the request before any save's)
@@ -159,6 +175,8 @@ class Saver:
                 self.queue.close()
             self.queue = None
         self.remover.drain()
+        self._discard()
+        self.reserve.release()
 
     def abort(self) -> None:
         """A stop or a failure: end the write in flight without committing it (what it left is not sealed).
@@ -172,7 +190,46 @@ class Saver:
             with contextlib.suppress(Exception):
                 self.queue.close(abort=True)
         self.queue = self.pending = self.warming = None
+        self._discard()  # the writer is ended: what it wrote for this start was never committed
+        self.reserve.release()
         self.remover.drain(ckpt.REMOVER_EXIT_WAIT_S)  # a deletion cut short: the next start's repair ends it
+
+    def _discard(self) -> None:
+        """Rank 0 (the directory is shared): remove this start's staging directories (a stop, a failure, the end)."""
+        if self.rank == 0:
+            for action in ckpt.discard_staging(self.ckpt_dir, self.token):
+                log(0, f"checkpoints: {action}")
+
+    def _check_room(self, iteration: int) -> None:
+        """Every rank, before the save writes: rank 0 looks at the room left for one more checkpoint of the newest
+        one's size; a save that cannot fit ends every rank before it fills the disk (ckpt_room.DiskFull)."""
+        verdict: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                ckpt_room.check_room(self.ckpt_dir, iteration, self.size)
+            except ckpt_room.DiskFull as exc:
+                verdict[0] = exc.strerror
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            self.reserve.release()
+            full = ckpt_room.DiskFull(str(verdict[0]))
+            log(self.rank, f"disk full: {full}")
+            raise full
+
+    def _failed(self, exc: Exception) -> None:
+        """A save in flight failed: nothing of it is committed; its staging directory goes first (on a full disk
+        that is the room the exit record needs), then the rank ends -- with DiskFull when it failed for room."""
+        pending, self.pending = self.pending, None
+        iteration = pending["iteration"] if pending is not None else self.handing
+        free = ckpt_room.free_bytes(self.ckpt_dir)
+        full = ckpt_room.is_disk_full(exc) or (free is not None and free < ckpt_room.NEARLY_FULL)
+        self._discard()
+        self.reserve.release()
+        if not full or iteration is None:
+            raise exc
+        error = ckpt_room.DiskFull.of(self.ckpt_dir, iteration, self.size, cause=repr(exc)[:300])
+        log(self.rank, f"disk full: {error}")
+        raise error from exc
 
     def _schedule(self, request: Any) -> None:
         if self.queue is None:
@@ -220,33 +277,14 @@ class Saver:
         self.pending = self.handing = None
         iteration = pending["iteration"]
         if self.rank == 0:
-            ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep, remove=self.remover)
+            final = ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep, remove=self.remover)
+            self.size = ckpt_room.tree_bytes(final)
             log(0, f"checkpoint {iteration} committed")
         now = time.time()
         written = min(pending.get("written", polled), polled)
         self.files.phase("save_committed", now, iteration=iteration, began=pending["began"],
                          background_s=round(max(written - pending["ended"], 0.0), 4),
                          commit_s=round(now - polled, 4))
-
-
-def host_copy_sizes(model: Any, optimizer: Any, device_type: str = "cuda") -> list[int]:
-    """The bytes of each host copy this rank's save makes: one per tensor of a ShardedTensor this rank writes (its
-    main replica: megatron's keep_only_main_replica), after megatron's factories (the save's own preprocessing),
-    on `device_type`, not empty. Local (no collective), for the distributed optimizer's dp_reshardable format;
-    other formats gather across ranks to build their state dict: none then."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
-    from megatron.core.dist_checkpointing.utils import extract_nonpersistent
-
-    metadata = checkpoint_metadata(optimizer)
-    if metadata.get("distrib_optim_sharding_type", "dp_reshardable") != "dp_reshardable":
-        return []
-    state = sharded_state(model, optimizer, is_loading=False, metadata=metadata)
-    apply_factories(state)
-    _, state = extract_nonpersistent(state)
-    return [t.data.numel() * t.data.element_size() for t in nested_values(state)
-            if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id) and t.data is not None
-            and t.data.device.type == device_type and t.data.numel()]
 
 
 def _async_options(dist_checkpointing: Any) -> dict[str, Any]:
@@ -257,46 +295,14 @@ def _async_options(dist_checkpointing: Any) -> dict[str, Any]:
     return {}
 
 
-def distopt_sharding() -> str:
-    """The distributed optimizer's checkpoint format (STEPDEPLOY_DISTOPT_SHARDING overrides, for experiments).
-
-    dp_reshardable: every rank writes and reads its own optimizer shard, no gather (resharding only in DP)."""
-    return os.environ.get("STEPDEPLOY_DISTOPT_SHARDING", "dp_reshardable")
-
-
-def checkpoint_metadata(optimizer: Any) -> dict[str, Any]:
-    """What megatron's own training loop passes to sharded_state_dict (and saves as the checkpoint's content
-    metadata, so a load builds its state dict for the format the checkpoint holds)."""
-    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if _is_distributed(optimizer):
-        metadata["distrib_optim_sharding_type"] = distopt_sharding()
-    return metadata
-
-
-def inner_optimizers(optimizer: Any) -> list[Any]:
-    """The megatron optimizers under a ChainedOptimizer (dense and expert parameters), or the one given."""
-    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
-
-
-def _is_distributed(optimizer: Any) -> bool:
-    return any(type(o).__name__ == "DistributedOptimizer" for o in inner_optimizers(optimizer))
-
-
-def sharded_state(model: Any, optimizer: Any, is_loading: bool, metadata: dict[str, Any]) -> dict:
-    """The model's and the optimizer's sharded state dicts, built as megatron's training loop builds them."""
-    model_sd = model.module.sharded_state_dict(metadata=metadata)  # through DDP to Float16Module -> GPTModel
-    return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
-
-
 def find(ckpt_dir: Path, rank: int) -> int:
     """Every rank: the iteration a resume loads -- rank 0 repairs the store (all ranks share it), then the newest
-    complete checkpoint every rank sees (0: a fresh start)."""
+    committed checkpoint every rank sees (0: a fresh start)."""
     if rank == 0:
         for action in ckpt.repair(ckpt_dir):
             log(rank, f"checkpoints: {action}")
     dist.barrier()
-    mine = ckpt.complete_iterations(ckpt_dir)
+    mine = ckpt.committed_iterations(ckpt_dir)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if mine != everyone[0]:
@@ -366,40 +372,3 @@ class _PartClock:
         now = time.perf_counter()
         self.parts[name] = round(now - self.last, 3)
         self.last = now
-
-
-def materialize_optimizer_state(optimizer: Any) -> None:
-    """torch's Adam creates its state (step, exp_avg, exp_avg_sq) at its first step, and megatron's
-    DistributedOptimizer.state_dict() -- called to build the state dict a checkpoint loads into -- asserts
-    that it exists (with Apex/TE's FusedAdam it need not). Take one zero-gradient step on every inner
-    optimizer that has no state yet; the load then overwrites every value, main parameters included."""
-    for inner in inner_optimizers(optimizer):
-        torch_optimizer = inner.optimizer
-        if len(torch_optimizer.state):
-            continue
-        for group in torch_optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = torch.zeros_like(param)
-        torch_optimizer.step()
-        torch_optimizer.zero_grad(set_to_none=True)
-
-
-def restore_adam_steps(optimizer: Any, loaded: Any) -> None:
-    """Put back Adam's step count after a load. With torch's Adam (no Apex/TE) megatron-core 0.16-0.19's
-    dp_reshardable load restores `step` from the checkpoint's param_groups, then copies every 0-dim state
-    tensor of the bucket state over it -- `step` included, which that format keeps local (not saved) -- so
-    the step silently becomes the fresh optimizer's. Adam's bias correction depends on it."""
-    inners = inner_optimizers(optimizer)
-    states = [loaded] if len(inners) == 1 else [state for _key, state in sorted(loaded.items())]
-    for inner, state in zip(inners, states, strict=True):
-        groups = state.get("optimizer", {}).get("param_groups", []) if isinstance(state, dict) else []
-        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
-        if len(steps) != 1:
-            continue
-        step = steps.pop()
-        for param_state in inner.optimizer.state.values():
-            old = param_state.get("step")
-            if torch.is_tensor(old):
-                # a tensor of its own per parameter: the load can leave one `step` tensor shared by every
-                # parameter, and torch's Adam then adds 1 to it once per parameter at every step
-                param_state["step"] = torch.full_like(old, step)

@@ -23,6 +23,9 @@ WRITER_DIED_EXIT = 1  # train.py's "anything else"
 # a stop signals every process of the run (node_probe.py), the writer and its rank alike: the rank exits by its own
 # stop path (exit 143), which disarms the watchdog, within the grace
 STOP_SIGNALS, STOP_GRACE_S = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP), 15.0
+# ... but only when the rank's own stop began within this long (train.py's handler ignores SIGTERM from its first
+# one): a stop signal that reached the writer alone is its death, reported in seconds (issue 36), not after the grace
+STOP_NOTICE_S = 2.0
 
 
 class SaveSetup:
@@ -191,8 +194,9 @@ class WriterWatchdog:
     ended by a stop signal gets `stop_grace_s` for the rank's own stop to disarm the watchdog first."""
 
     def __init__(self, locate: Callable[[], Any], on_death: Callable[[Any], None], interval: float = 0.5,
-                 stop_grace_s: float = STOP_GRACE_S) -> None:
+                 stop_grace_s: float = STOP_GRACE_S, stop_notice_s: float = STOP_NOTICE_S) -> None:
         self.locate, self.on_death, self.interval, self.stop_grace_s = locate, on_death, interval, stop_grace_s
+        self.stop_notice_s = stop_notice_s
         self.disarmed = threading.Event()
         self.lock = threading.Lock()  # disarm() returns only once a death being reported is done
         self.thread = threading.Thread(target=self._watch, name="checkpoint-writer-watchdog", daemon=True)
@@ -212,11 +216,25 @@ class WriterWatchdog:
             if process.exitcode is None:
                 continue
             if -process.exitcode in STOP_SIGNALS:
-                self.disarmed.wait(self.stop_grace_s)
+                self._stop_grace()
             with self.lock:
                 if not self.disarmed.is_set():
                     self.on_death(process)
             return
+
+    def _stop_grace(self) -> None:
+        """The writer ended by a stop signal: up to stop_grace_s for the rank's own stop to disarm the watchdog,
+        unless the rank has not begun stopping within stop_notice_s (the signal reached the writer alone)."""
+        began = time.monotonic()
+        while not self.disarmed.wait(0.05):
+            waited = time.monotonic() - began
+            if waited >= self.stop_grace_s or (waited >= self.stop_notice_s and not _rank_stopping()):
+                return
+
+
+def _rank_stopping() -> bool:
+    """Whether this process's stop began: train.py's SIGTERM handler ignores SIGTERM from its first one on."""
+    return signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
 def exit_cause(exitcode: int) -> str:

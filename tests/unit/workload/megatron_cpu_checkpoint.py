@@ -129,7 +129,7 @@ def main(model_name: str, workdir: Path) -> None:
     print(json.dumps({
         "in_flight_after_save": in_flight, "phases": phases, "checkpoint_files": checkpoint_files,
         "load_parts": load_parts, "initialization_skipped": skipped, "before_second_commit": both_before_commit,
-        "after_second_commit": sorted(p.name for p in ckpt_dir.iterdir()),
+        "after_second_commit": sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith(".room-")),
         "eager_gather_groups": len(gather.groups),
         "eager_first_group_has_embedding": any(q is embedding for b in gather.groups[0].buckets for q in b.params_list),
         "eager_dispatched_per_step": dispatched_per_step,

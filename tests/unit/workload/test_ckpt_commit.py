@@ -95,9 +95,16 @@ def test_a_kill_at_every_point_of_a_save_leaves_latest_on_a_whole_checkpoint(sce
             save(ckpt_dir, i, f"old {i}")
         proc = child(ckpt_dir, iteration, f"new {iteration}", keep, kill_at, background)
         assert proc.returncode == -9, (kill_at, proc.stderr)
+        named = (ckpt_dir / "latest").read_text() if (ckpt_dir / "latest").exists() else None
         ckpt.repair(ckpt_dir)
         latest = ckpt.latest_iteration(ckpt_dir)
         where = f"killed before call {kill_at} of {total}"
+        # committed only when `latest` named it before the kill (issue 36: a sealed staging directory, or an
+        # iter_N renamed in before `latest` moved, was rolled forward and read by the resume)
+        if latest == iteration and iteration not in before:
+            assert named == f"{iteration}\n", where
+        assert ckpt.committed_iterations(ckpt_dir) == ckpt.complete_iterations(ckpt_dir), where
+        assert max(ckpt.committed_iterations(ckpt_dir), default=None) == latest, where
         # the previous checkpoint (or, re-saving an older one, the newest of before) or the new one, whole
         assert latest in {previous, iteration, max([*before, iteration])}, where
         if latest is not None:
@@ -132,13 +139,58 @@ def test_the_re_save_window(tmp_path: Path) -> None:
     ckpt.seal(staged, 20)
     os.replace(tmp_path / "iter_0000020", tmp_path / ".iter_0000020.old-x")  # commit's first rename, then killed
     assert ckpt.latest_iteration(tmp_path) == 10  # even unrepaired, a reader never gets a missing directory
-    ckpt.repair(tmp_path)
-    assert ckpt.latest_iteration(tmp_path) == 20 and content(tmp_path, 20) == "new 20"
+    ckpt.repair(tmp_path)  # the new 20 was sealed, never committed: discarded, the old one put back
+    assert ckpt.latest_iteration(tmp_path) == 20 and content(tmp_path, 20) == "old 20"
 
+    staged = ckpt.staging_dir(tmp_path, 20, "again")
+    (staged / "state.pt").write_text("new 20")
+    ckpt.seal(staged, 20)
+    ckpt.commit(tmp_path, 20, staged)
     os.replace(tmp_path / "iter_0000020", tmp_path / ".iter_0000020.old-y")  # the aside alone: it goes back
     ckpt.repair(tmp_path)
     assert ckpt.latest_iteration(tmp_path) == 20 and content(tmp_path, 20) == "new 20"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000010", "iter_0000020", "latest"]
+
+
+def test_a_sealed_checkpoint_is_never_rolled_forward_and_only_latest_commits(tmp_path: Path) -> None:
+    """Issue 36: killed after the write, before the commit, every node restarted from its sealed staging
+    directory while `latest` stayed behind. A checkpoint is committed when `latest` names it, nothing else."""
+    save(tmp_path, 10, "ten")
+    sealed = ckpt.staging_dir(tmp_path, 20, "tok")
+    (sealed / "state.pt").write_text("twenty, sealed")
+    ckpt.seal(sealed, 20)
+    renamed = ckpt.staging_dir(tmp_path, 30, "tok")  # commit's rename done, `latest` not moved yet
+    (renamed / "state.pt").write_text("thirty")
+    ckpt.seal(renamed, 30)
+    os.replace(renamed, tmp_path / "iter_0000030")
+    assert ckpt.committed_iterations(tmp_path) == [10]  # even unrepaired, a resume never reads 30
+    done = ckpt.repair(tmp_path)
+    assert any("never committed" in d and ".iter_0000020.tmp-tok" in d for d in done), done
+    assert any("iter_0000030" in d and "never committed" in d for d in done), done
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000010", "latest"]
+    assert ckpt.committed_iterations(tmp_path) == [10] == ckpt.complete_iterations(tmp_path)
+
+    first = tmp_path / "first"  # a first checkpoint renamed in, `latest` never written: nothing is committed
+    staged = ckpt.staging_dir(first, 10)
+    ckpt.seal(staged, 10)
+    os.replace(staged, first / "iter_0000010")
+    assert ckpt.committed_iterations(first) == []
+    ckpt.repair(first)
+    assert list(first.iterdir()) == []
+
+
+def test_discard_staging_removes_this_starts_staging_only_and_a_late_seal_cannot_bring_it_back(tmp_path: Path) -> None:
+    save(tmp_path, 10, "ten")
+    mine = ckpt.staging_dir(tmp_path, 20, "me")
+    (mine / "state.pt").write_text("half")
+    other = ckpt.staging_dir(tmp_path, 20, "other")  # another start's (a writer left over): repair's business
+    done = ckpt.discard_staging(tmp_path, "me")
+    assert done == ["removed .iter_0000020.tmp-me (its save was never committed)"], done
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name, "iter_0000010", "latest"]
+    with pytest.raises(FileNotFoundError):  # the writer's seal after a stop discarded its directory
+        ckpt.seal(mine, 20)
+    assert not mine.exists()
+    assert ckpt.discard_staging(tmp_path, "me") == []
 
 
 def test_a_directory_without_its_marker_is_not_a_checkpoint(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
 def test_an_asynchronous_save_on_two_ranks_commits_only_whole_and_an_abort_commits_nothing(tmp_path: Path) -> None:
     """DP 2 with the distributed optimizer: each rank writes its own optimizer shard in a forked writer; rank 0
     commits once both ranks' writes ended. A save aborted while it is written (a stop) leaves checkpoint 1 as
-    `latest`, and the resume removes what it left."""
+    `latest`, and the abort removes what it left (issue 36: no staging directory outlives a stop)."""
     script = Path(__file__).with_name("megatron_cpu_checkpoint_dp2.py")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
                           timeout=600, check=False)
@@ -72,8 +72,7 @@ def test_an_asynchronous_save_on_two_ranks_commits_only_whole_and_an_abort_commi
     for result in ranks:
         assert result["committed_1"] == ["iter_0000001", "latest"], result
         assert result["latest_after_abort"] == "1", result
-        assert [n for n in result["after_abort"] if not n.startswith(".iter_0000002.tmp-")] == ["iter_0000001",
-                                                                                                "latest"], result
+        assert result["after_abort"] == ["iter_0000001", "latest"], result
         assert result["resumed"] == 1 and result["differing_before"] > 0, result
         assert result["params_differing"] == 0 and result["main_shards"] > 0 and result["main_differing"] == 0, result
         assert result["after_resume"] == ["iter_0000001", "latest"], result

@@ -87,6 +87,25 @@ def test_a_writer_stopped_by_sigterm_leaves_the_rank_its_own_stop_first() -> Non
         assert ["reported" for _ in deaths] == reported
 
 
+def test_a_sigterm_that_reached_the_writer_alone_is_reported_within_seconds() -> None:
+    """Issue 36: a writer ended by SIGTERM while its rank went on was reported only after the whole stop grace.
+    When the rank's own stop has not begun (its SIGTERM handler not yet ignoring SIGTERM), it is reported after
+    the short notice."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # this process: not stopping
+    try:
+        process = sleeper()
+        deaths: list[Any] = []
+        watchdog = megatron_writer.WriterWatchdog(lambda: process, deaths.append, interval=0.05, stop_grace_s=60.0,
+                                                  stop_notice_s=0.5)
+        killed = time.monotonic()
+        process.terminate()
+        assert deaths_within(watchdog, deaths, 10) == [process]
+        assert time.monotonic() - killed < 5
+        watchdog.thread.join(2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_exit_cause_is_named() -> None:
     assert megatron_writer.exit_cause(-9) == "killed by signal SIGKILL"
     assert megatron_writer.exit_cause(1) == "exit code 1"

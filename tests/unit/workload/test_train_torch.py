@@ -58,19 +58,23 @@ def slow(obj, path, *args, **kwargs):
         raise OSError(28, "No space left on device")
     return real(obj, path, *args, **kwargs)
 torch.save = slow
+if os.environ.get("FREE_BYTES"):  # the checkpoint disk has this much room left
+    import shutil
+    usage = shutil.disk_usage
+    shutil.disk_usage = lambda path: usage(path)._replace(free=int(os.environ["FREE_BYTES"]))
 import train
 sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def start(cfg: Path, out: Path, *extra: str, slow_s: float | None = None, full_at: int | None = None
-          ) -> subprocess.Popen[str]:
+def start(cfg: Path, out: Path, *extra: str, slow_s: float | None = None, full_at: int | None = None,
+          free_bytes: int | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_port()), "OMP_NUM_THREADS": "1", "STEPDEPLOY_NODE_NAME": "here"}
     program = [str(TRAIN)]
     if slow_s is not None:
         env |= {"WORKLOAD": str(TRAIN.parent), "SLOW_LOG": str(out.parent / "slow.log"), "SLOW_S": str(slow_s),
-                "FULL_AT": str(full_at or "")}
+                "FULL_AT": str(full_at or ""), "FREE_BYTES": str(free_bytes or "")}
         program = ["-c", SLOW_DISK]
     return subprocess.Popen([sys.executable, *program, "--config", str(cfg), "--out-dir", str(out), *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -162,9 +166,11 @@ def test_sigterm_during_a_background_write_leaves_the_previous_checkpoint_latest
     proc.send_signal(signal.SIGTERM)
     code, output = finish(proc)
     assert code == 143, output
-    # the write never ended: nothing was committed, and what it left is not a checkpoint
+    # the write never ended: nothing was committed, and the stop removed what it had written (issue 36: every
+    # soak that ended with a save in flight left its staging directory on every node)
     assert not (out / "checkpoints/latest").exists() and ckpt.latest_iteration(out / "checkpoints") is None
-    assert all(p.name.startswith(".iter_0000003.tmp-") for p in (out / "checkpoints").iterdir())
+    assert list((out / "checkpoints").iterdir()) == []
+    assert "checkpoints: removed .iter_0000003.tmp-" in output and "(its save was never committed)" in output, output
 
 
 def test_sigterm_during_a_later_background_write_keeps_the_committed_one(tmp_path: Path) -> None:
@@ -191,11 +197,11 @@ def test_sigterm_during_a_later_background_write_keeps_the_committed_one(tmp_pat
     assert code == 143 and f"resumed from checkpoint {latest}" in output, output
     assert (out / "checkpoints/latest").read_text() == f"{latest}\n"
     assert ckpt.latest_iteration(out / "checkpoints") == latest
-    stale = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
-    assert len(stale) == 1 and stale[0].startswith(f".{ckpt.iteration_name(latest + 3)}.tmp-"), stale
-    # the next start removes it
+    # the stop removed its staging directory, nothing else
+    assert f"checkpoints: removed .{ckpt.iteration_name(latest + 3)}.tmp-" in output, output
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
     code, output = finish(start(cfg, out, "--iterations", str(latest + 1)))
-    assert code == 0 and "checkpoints: removed .iter_" in output, output
+    assert code == 0 and "checkpoints: removed" not in output, output  # nothing left for the repair
     assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
@@ -205,8 +211,25 @@ def test_a_full_disk_fails_the_rank_with_the_reason_and_keeps_the_previous_check
     assert code == 1, output
     status = json.loads((out / "status/rank0.json").read_text())
     assert status["state"] == "exited" and "No space left on device" in status["reason"], status
-    assert "No space left on device" in output
+    assert "checkpoint 6 in " in status["reason"] and "Fix: free space" in status["reason"], status
+    assert "disk full: [Errno 28] No space left on device: checkpoint 6" in output, output
     assert ckpt.latest_iteration(out / "checkpoints") == 3 and (out / "checkpoints/latest").read_text() == "3\n"
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # staging, reserve: gone
+
+
+def test_a_save_that_cannot_fit_fails_before_it_writes_naming_free_and_needed(tmp_path: Path) -> None:
+    """Issue 36: a full disk was recorded as "died without exiting" (the exit record could not be written). A
+    save that does not fit the room left fails before it fills the disk, naming where, free, needed, the fix."""
+    cfg, out = config(tmp_path, iterations=9, save_interval=3), tmp_path / "out"
+    code, output = finish(start(cfg, out, slow_s=0.0, free_bytes=4096))
+    assert code == 1, output
+    status = json.loads((out / "status/rank0.json").read_text())
+    reason = status["reason"]
+    assert status["state"] == "exited" and "[Errno 28] No space left on device: checkpoint 6 in " in reason, status
+    assert "free 0.0 MiB, the save needs about" in reason and "--keep-checkpoints" in reason, reason
+    assert sum("iter_0000006" in line for line in (tmp_path / "slow.log").read_text().splitlines()) == 0
+    assert ckpt.latest_iteration(out / "checkpoints") == 3
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
 def test_bad_configuration_exits_2_and_says_so(tmp_path: Path) -> None:
