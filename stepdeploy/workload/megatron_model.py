@@ -230,6 +230,8 @@ def known_config_kwargs(kwargs: dict[str, Any], fields: Any, rank: int = 0) -> d
     fields), each named in the log: the MoE overlaps are megatron-core's since 0.12-0.14, the engine runs 0.16.1."""
     optional = ("moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm")
     missing = [k for k in optional if k in kwargs and k not in fields]
+    if kwargs.get("moe_token_dispatcher_type") != "alltoall" and kwargs.get("moe_shared_expert_overlap"):
+        missing.append("moe_shared_expert_overlap")  # an override chose another dispatcher: megatron refuses it
     if missing:
-        log(rank, f"megatron-core has no {', '.join(missing)}: running without")
+        log(rank, f"running without {', '.join(missing)} (not in this megatron-core, or not with this dispatcher)")
     return {k: v for k, v in kwargs.items() if k not in missing}
