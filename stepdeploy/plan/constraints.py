@@ -103,7 +103,12 @@ def _vpp_microbatches(job: Job, lay: Layout) -> str | None:
 
 
 def _sequence_parallel(job: Job, lay: Layout) -> str | None:
-    return "sequence parallel needs TP>1" if lay.sp and lay.tp == 1 else None
+    if lay.sp and lay.tp == 1:
+        return "sequence parallel needs TP>1"
+    # megatron-core scatters the embedding's output along the sequence over TP (CP's slice of it, under CP)
+    if lay.sp and (job.seq_length // lay.cp) % lay.tp:
+        return f"sequence parallel splits the sequence ({job.seq_length // lay.cp}) over TP={lay.tp}: not a multiple"
+    return None
 
 
 def _context_parallel(job: Job, lay: Layout) -> str | None:
@@ -162,7 +167,8 @@ RULES: tuple[Rule, ...] = (
     Rule("vpp-divides", "layers of every stage % VPP == 0", _vpp_divides),
     Rule("vpp-needs-pp", "VPP needs PP>1, and PP>2 unless overlap-p2p-comm", _vpp_needs_pp),
     Rule("vpp-microbatches", "with VPP, micro-batches per step >= PP", _vpp_microbatches),
-    Rule("sp-needs-tp", "sequence parallel needs TP>1", _sequence_parallel),
+    Rule("sp-needs-tp", "sequence parallel needs TP>1 and the sequence (per CP rank) % TP == 0",
+         _sequence_parallel),
     Rule("cp-sequence", "with CP>1, sequence % (2*CP) == 0", _context_parallel),
     Rule("batch-divides", "global batch % (MBS*DP) == 0", _batch_divides),
     Rule(

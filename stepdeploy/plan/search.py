@@ -81,6 +81,14 @@ def settle_param_gather(layout: Layout) -> Layout:
     return replace(layout, overlap_param_gather=layout.param_gather_overlap)
 
 
+def settle_sequence_parallel(job: Job, layout: Layout) -> Layout:
+    """Sequence parallelism left open (None) is on wherever TP > 1 and the sequence (CP's slice of it) splits
+    over TP (megatron-core scatters it along the sequence); otherwise TP runs without it. Given, it is judged."""
+    if layout.sequence_parallel is not None:
+        return layout
+    return replace(layout, sequence_parallel=layout.tp > 1 and (job.seq_length // layout.cp) % layout.tp == 0)
+
+
 def judge(
     params: ParamCount,
     job: Job,
@@ -92,7 +100,7 @@ def judge(
 ) -> Verdict:
     """A layout's verdict: megatron-core's rules, then what `engine` runs (stepdeploy/data/engines.yaml), then
     memory and step time."""
-    layout = engines.settle(engine, settle_param_gather(layout))
+    layout = engines.settle(engine, settle_sequence_parallel(job, settle_param_gather(layout)))
     broken = tuple(violations(job, layout))
     refused = None if broken else engines.refusal(engine, layout, job.model)
     if refused:

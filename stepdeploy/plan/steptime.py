@@ -128,7 +128,12 @@ def _microbatch_comm(job: Job, layout: Layout, cluster: ClusterShape, stage: Sta
     row = spec.hidden_size * BF16
     layers = len(stage.layers)
     moe_layers = sum(1 for layer in stage.layers if layer.shape.ffn == "moe")
-    tp_bytes = 8 * shards.attention * row  # AG + RS around attention and MLP, forward and backward
+    # around attention and the MLP, forward and backward: with sequence parallelism an all-gather of the sequence
+    # before each column-parallel linear and a reduce-scatter after each row-parallel one, without it an all-reduce
+    # after each row-parallel linear (and its backward's before the column-parallel one); an all-reduce moves
+    # what an all-gather and a reduce-scatter of the same tensor do together (2 (n-1)/n of it per rank), so the
+    # bytes are the same either way -- what SP changes is the activations' memory (activations.token_shards)
+    tp_bytes = 8 * shards.attention * row
     tp = layers * _collective_seconds(tp_bytes, layout.tp, cluster.group_busbw_gbps(layout.tp))
     ep = 0.0
     if spec.moe:

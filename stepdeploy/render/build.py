@@ -12,7 +12,6 @@ import shlex
 import shutil
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,10 +50,10 @@ def plan_hint(cluster: Cluster, spec: ModelSpec, seq: int, gbs: int, layout: Lay
 
 
 def engine_layout(layout: Layout) -> Layout:
-    """The layout as the megatron engine runs it: megatron-core's local (no-TransformerEngine) spec has torch
-    norms, which refuse sequence parallelism ("sequence parallel not supported by torch LayerNorm", seen on the
-    H200), so TP runs without it. Its experts are grouped GEMMs where ETP is 1 (layout.grouped_experts)."""
-    return replace(layout, sequence_parallel=False)
+    """The layout as the megatron engine runs it: as given (sequence parallelism wherever TP > 1 unless the layout
+    turns it off: megatron-core's own, with the engine's SP-aware norms). Its experts are grouped GEMMs where ETP
+    is 1 (layout.grouped_experts)."""
+    return layout
 
 
 def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, seq: int,
@@ -68,9 +67,6 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
     params = count_parameters(spec)
     job = Job(spec, seq, gbs, shape.world)
     if given is not None:
-        if given.sequence_parallel and given.tp > 1:
-            raise BadInput("sequence parallelism needs TransformerEngine's norms, and the megatron engine runs "
-                           "megatron-core without TransformerEngine", hint="drop sp=1 (TP runs without it)")
         verdict = judge(params, job, engine_layout(given), shape, hardware)
         if verdict.violations:
             reasons = "; ".join(f"[{v.rule}] {v.reason}" for v in verdict.violations)

@@ -125,6 +125,8 @@ def _parallel(layout: Layout, num_layers: int) -> dict[str, Any]:
         "experts": "grouped_mm" if layout.grouped_experts else "sequential",
         "cross_entropy_fusion": layout.cross_entropy_fusion,
         **({} if layout.router_bias_update else {"router_bias_update": False}),  # the engines' default: on
+        # megatron-core's combined 1F1B overlap of the expert-parallel all-to-all (only when the layout asks)
+        **({"overlap_moe_expert_parallel_comm": True} if layout.overlap_moe_expert_parallel_comm else {}),
         "first_stage_layers": first,
         "last_stage_layers": last,
         "overlap_p2p_comm": layout.overlap_p2p_comm,

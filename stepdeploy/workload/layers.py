@@ -81,16 +81,70 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return _COMPILED_NORM[0](x, weight, eps)
 
 
+def mark_sequence_parallel(module: torch.nn.Module, config: Any) -> torch.nn.Module:
+    """Mark a norm's parameters as megatron marks its own norms' (FusedLayerNorm, TENorm): under sequence
+    parallelism each TP rank normalises its own slice of the sequence, so the weight's gradient is a partial sum
+    that finalize_model_grads all-reduces over TP (its `sequence_parallel` attribute is what it looks for)."""
+    for param in module.parameters():
+        param.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+    return module
+
+
+class LocalNorm:
+    """megatron-core's local norm (torch LayerNorm / RMSNorm, as its WrappedTorchNorm builds) that also runs under
+    sequence parallelism: WrappedTorchNorm refuses it ("sequence parallel not supported by torch LayerNorm") only
+    because it does not mark its parameters for the gradients' all-reduce over TP; this one does. A norm is
+    per-token, so a sequence slice normalises as the whole sequence would."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_ignored: Any) -> torch.nn.Module:
+        if config.normalization == "LayerNorm":
+            norm: torch.nn.Module = torch.nn.LayerNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"LocalNorm: normalization {config.normalization!r} (LayerNorm or RMSNorm)")
+        return mark_sequence_parallel(norm, config)
+
+
+def sequence_parallel_norms(spec: Any) -> Any:
+    """`spec` (a layer, block or MTP spec of megatron-core's local layers, changed in place) with LocalNorm wherever
+    it builds megatron's WrappedTorchNorm. -> spec"""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    seen: set[int] = set()
+
+    def visit(node: Any) -> Any:
+        if node is WrappedTorchNorm:
+            return LocalNorm
+        if id(node) in seen or node is None or isinstance(node, (type, str, int, float, bool)):
+            return node
+        seen.add(id(node))
+        if isinstance(node, list):
+            node[:] = [visit(item) for item in node]
+        elif isinstance(node, functools.partial):
+            node.keywords.update({k: visit(v) for k, v in node.keywords.items()})
+        elif isinstance(node, ModuleSpec) or hasattr(node, "__dataclass_fields__"):
+            for name in getattr(node, "__dataclass_fields__", {}):
+                old = getattr(node, name)
+                new = visit(old)
+                if new is not old:
+                    setattr(node, name, new)
+        return node
+
+    return visit(spec)
+
+
 class ZeroCenteredRMSNorm(torch.nn.Module):
-    """megatron's norm interface (config, hidden_size, eps); the weight starts at zero (the identity)."""
+    """megatron's norm interface (config, hidden_size, eps); the weight starts at zero (the identity). Runs under
+    sequence parallelism as LocalNorm does (its weight marked for the gradients' all-reduce over TP)."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_ignored: Any) -> None:
         super().__init__()
-        if getattr(config, "sequence_parallel", False):
-            raise ValueError("ZeroCenteredRMSNorm: sequence parallelism is not supported (needs TransformerEngine)")
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, device=device, dtype=config.params_dtype))
         self.eps = eps
+        mark_sequence_parallel(self, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return zero_centered_rms_norm(x, self.weight, self.eps)
@@ -176,7 +230,11 @@ def attention_class(layer: dict[str, Any], gated: bool) -> type:
                     **kwargs: Any) -> Any:
             if args:
                 raise TypeError("LayerAttention takes its optional arguments by keyword")
-            kwargs["rotary_pos_emb"] = self.rotary(hidden_states.shape[0], hidden_states.device)
+            # under sequence parallelism the layer's input is this rank's slice of the sequence; q, k and v
+            # (after linear_qkv's all-gather) cover the whole of it
+            seq = hidden_states.shape[0] * (self.config.tensor_model_parallel_size
+                                            if self.config.sequence_parallel else 1)
+            kwargs["rotary_pos_emb"] = self.rotary(seq, hidden_states.device)
             if self.head_gate:
                 # the gate's logits reach the core attention in its one per-call tensor (attention.py)
                 kwargs["attention_bias"], _ = self.linear_gate(hidden_states)
@@ -233,9 +291,9 @@ def layer_spec(layer: dict[str, Any], model: dict[str, Any], experts: str) -> An
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     moe = layer["ffn"] == "moe"
-    spec = copy.deepcopy(get_gpt_layer_local_spec(
+    spec = sequence_parallel_norms(copy.deepcopy(get_gpt_layer_local_spec(
         model["moe"]["num_experts"] if moe else None, moe_grouped_gemm=False,
-        qk_layernorm=model["qk_layernorm"], normalization=model["normalization"]))
+        qk_layernorm=model["qk_layernorm"], normalization=model["normalization"])))
     subs = spec.submodules
     attn = subs.self_attention
     attn.module = attention_class(layer, model["attention_gate"] == "per_head")
@@ -289,6 +347,7 @@ def mtp_block_spec(cfg: dict[str, Any], config: Any, experts: str, vp_stage: int
     if block is None:
         return None
     block.layer_specs = [copy.deepcopy(spec) for spec in block.layer_specs]
+    sequence_parallel_norms(block)
     for spec, layer in zip(block.layer_specs, layers, strict=True):
         subs = spec.submodules
         inner = "mtp_model_layer" if hasattr(subs, "mtp_model_layer") else "transformer_layer"  # 0.19 / 0.16

@@ -131,7 +131,7 @@ def test_explain_says_what_the_engine_does_not_run_and_why_and_no_listed_layout_
     assert code == 0
     assert "What the megatron engine runs (the layouts above are only those):" in out
     assert "  - context parallel: not offered: context parallelism splits attention" in out
-    assert "  - sequence parallel: not offered: megatron-core's local (no-TransformerEngine) spec" in out
+    assert "  - sequence parallel: runs: megatron-core's own sequence_parallel (TransformerConfig)" in out
     assert "needs TransformerEngine's attention with cp_comm_type a2a or all_gather for its sliding windows" in out
     code, out, _ = run(capsys, *cluster, "--explain", "--json", "--top", "100")
     data = json.loads(out)

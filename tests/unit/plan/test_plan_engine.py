@@ -71,7 +71,9 @@ def test_the_planner_never_offers_what_the_engine_refuses_and_says_why() -> None
     assert engines.refusal("megatron", Layout(cp=2), step) is not None
     assert "a2a or all_gather" in engines.refusal("megatron", Layout(cp=2), step)
     assert engines.refusal("megatron", Layout(pp=4, vpp=3, optimizer_cpu_offload=True), step) is None
-    assert "sequence parallelism" in engines.refusal("megatron", Layout(tp=2, sequence_parallel=True), step)
+    assert engines.refusal("megatron", Layout(tp=2, sequence_parallel=True), step) is None  # megatron-core's own SP
+    assert engines.settle("megatron", Layout(tp=2)).sp  # left open: on wherever TP > 1
+    assert "sequence parallelism" in engines.refusal("torch", Layout(tp=2, sequence_parallel=True), step)
     dense = load_model("gpt3-175b-seed")
     assert "any cp_comm_type" in engines.context_parallel_requirement(dense)
     assert engines.needs(step, Layout(cp=2)) and not engines.needs(step, Layout())

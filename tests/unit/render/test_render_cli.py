@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -82,15 +83,23 @@ def test_gpu_inventory_gets_the_planners_layout_for_the_megatron_engine(tmp_path
     assert "NCCL_NVLS_ENABLE=0" in (out / "nodes/0-h200/env.sh").read_text()
 
 
-def test_tensor_parallel_renders_without_sequence_parallelism_and_refuses_it_when_asked(tmp_path: Path) -> None:
-    """megatron-core's local spec has torch norms, which refuse sequence parallelism (seen on the H200)."""
-    res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-dense", "--out", str(tmp_path / "tp"), "--layout", "tp=2,mbs=4")
-    assert res.exit_code == 0, res.output
-    parallel = json.loads((tmp_path / "tp" / "workload.json").read_text())["parallel"]
-    assert parallel["tp"] == 2 and parallel["sequence_parallel"] is False
-    res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-dense", "--out", str(tmp_path / "sp"), "--layout", "tp=2,sp=1")
-    assert isinstance(res.exception, BadInput) and "TransformerEngine" in res.exception.message
-    assert not (tmp_path / "sp").exists()
+def test_tensor_parallel_renders_with_sequence_parallelism_unless_told_not_to(tmp_path: Path) -> None:
+    """Issue 38 item 3: megatron-core's own sequence parallelism wherever TP > 1 (the engine's norms run under it);
+    sp=off turns it off; a sequence that does not split over TP runs TP without it, and sp=on then says why."""
+    def parallel(name: str, *args: str) -> dict[str, Any]:
+        res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-dense", "--out", str(tmp_path / name), *args)
+        assert res.exit_code == 0, res.output
+        return json.loads((tmp_path / name / "workload.json").read_text())["parallel"]
+
+    assert {"tp": 2, "sequence_parallel": True}.items() <= parallel("tp", "--layout", "tp=2,mbs=4").items()
+    assert parallel("sp", "--layout", "tp=2,sp=on")["sequence_parallel"] is True
+    assert parallel("off", "--layout", "tp=2,mbs=4,sp=off")["sequence_parallel"] is False
+    assert parallel("dp", "--layout", "tp=1,mbs=4")["sequence_parallel"] is False
+    assert parallel("odd", "--layout", "tp=2,mbs=4", "--seq", "511")["sequence_parallel"] is False
+    res = run(tmp_path, H200_INI, "-m", "proxy-0.7b-dense", "--out", str(tmp_path / "odd-sp"), "--layout",
+              "tp=2,sp=on", "--seq", "511")
+    assert isinstance(res.exception, BadInput) and "not a multiple" in res.exception.message
+    assert not (tmp_path / "odd-sp").exists()
 
 
 def test_invalid_layout_names_the_rule(tmp_path: Path) -> None:

@@ -43,7 +43,8 @@ def rank_main(rank: int, port: int, out: str) -> None:
                           global_batch_size=8), engine="megatron", world=4, peak_tflops=790.0)
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
     kwargs = em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True,
-                                                   "moe_token_dispatcher_type": "allgather"}  # alltoall: a CUDA stream
+                                                   "moe_token_dispatcher_type": "allgather",
+        "moe_shared_expert_overlap": False}  # alltoall: a CUDA stream
     ddp_kwargs = em.ddp_config_kwargs(cfg) | {"bucket_size": 20_000}  # several buckets of each kind
 
     def build() -> tuple[Any, Any]:

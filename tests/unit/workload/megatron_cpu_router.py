@@ -166,7 +166,8 @@ def main() -> None:
     torch.manual_seed(s["seed"])
     ps.initialize_model_parallel(1, 1)
     kwargs = em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True,
-                                                   "moe_token_dispatcher_type": "allgather"} | s["overrides"]
+                                                   "moe_token_dispatcher_type": "allgather",
+        "moe_shared_expert_overlap": False} | s["overrides"]
     fp32 = s["precision"] == "fp32"
     if fp32:
         kwargs |= {"bf16": False, "params_dtype": torch.float32, "pipeline_dtype": torch.float32}

@@ -150,7 +150,8 @@ def main() -> None:
     ps.initialize_model_parallel(1, 1)
     kwargs = em.transformer_config_kwargs(cfg) | {
         "bf16": False, "params_dtype": torch.float32, "pipeline_dtype": torch.float32, "use_cpu_initialization": True,
-        "moe_token_dispatcher_type": "allgather"}  # 0.16.1's alltoall dispatcher allocates a CUDA stream
+        "moe_token_dispatcher_type": "allgather",
+        "moe_shared_expert_overlap": False}  # 0.16.1's alltoall dispatcher allocates a CUDA stream
     torch.manual_seed(3)
     config = TransformerConfig(**kwargs)
     gpt = em.build_model(cfg, config)
@@ -228,7 +229,8 @@ def catalog_parameter_counts() -> dict[str, list[int]]:
         cfg = workload_config(spec, Layout(), RenderOptions(run_id="t", seq_length=64, global_batch_size=1),
                               engine="megatron", world=1, peak_tflops=790.0)
         kwargs = em.transformer_config_kwargs(cfg) | {"use_cpu_initialization": True, "perform_initialization": False,
-                                                       "moe_token_dispatcher_type": "allgather"}
+                                                       "moe_token_dispatcher_type": "allgather",
+        "moe_shared_expert_overlap": False}
         model = em.build_model(cfg, TransformerConfig(**kwargs))
         counts[name] = [sum(p.numel() for p in model.parameters()), count_parameters(spec).total]
         del model

@@ -42,7 +42,8 @@ def rank_main(rank: int, port: int, out: str) -> None:
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
     kwargs = em.transformer_config_kwargs(cfg) | {
         "bf16": False, "params_dtype": torch.float32, "pipeline_dtype": torch.float32,
-        "use_cpu_initialization": True, "moe_token_dispatcher_type": "allgather"}
+        "use_cpu_initialization": True, "moe_token_dispatcher_type": "allgather",
+        "moe_shared_expert_overlap": False}
     torch.manual_seed(3)  # the same dense weights on both ranks; each builds its own two experts
     config = TransformerConfig(**kwargs)
     gpt = em.build_model(cfg, config)

@@ -242,7 +242,8 @@ def test_engine_layer_spec_switch(megatron_single_rank: None, choice: str, monke
     cfg["parallel"]["experts"] = choice
     kwargs = engine_megatron.transformer_config_kwargs(cfg) | {
         "bf16": False, "params_dtype": torch.float32, "pipeline_dtype": torch.float32,
-        "use_cpu_initialization": True, "moe_token_dispatcher_type": "allgather"}
+        "use_cpu_initialization": True, "moe_token_dispatcher_type": "allgather",
+        "moe_shared_expert_overlap": False}
     gpt = engine_megatron.build_model(cfg, TransformerConfig(**kwargs))
     kinds = [type(m).__name__ for m in gpt.modules() if type(m).__name__ in ("GroupedMMExperts", "SequentialMLP")]
     assert kinds == ["GroupedMMExperts" if choice == "grouped_mm" else "SequentialMLP"] * 3  # layers 1-3 are MoE

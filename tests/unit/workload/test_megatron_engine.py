@@ -181,3 +181,23 @@ def test_config_overrides_come_from_a_json_object_in_the_environment(monkeypatch
     monkeypatch.setenv("STEPDEPLOY_DDP_OVERRIDES", "[1, 2]")
     with pytest.raises(ValueError, match="JSON object"):
         engine_megatron.config_overrides(0, "STEPDEPLOY_DDP_OVERRIDES")
+
+
+def test_moe_communication_overlap_is_megatron_cores_and_only_where_it_has_something_to_hide() -> None:
+    """Issue 38 item 3: the shared expert runs under the dispatcher's communication (moe_shared_expert_overlap)
+    where there is some (EP x TP > 1, alltoall); the expert-parallel all-to-all overlap when the layout asks."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def kwargs(layout: Layout) -> dict[str, Any]:
+        return engine_megatron.transformer_config_kwargs(cfg_for("tiny-moe", layout, world=4))
+
+    assert kwargs(Layout(tp=2))["moe_shared_expert_overlap"] is True
+    assert kwargs(Layout(tp=2))["sequence_parallel"] is True
+    assert kwargs(Layout(ep=2))["moe_shared_expert_overlap"] is True
+    assert "moe_shared_expert_overlap" not in kwargs(Layout())  # no communication to hide
+    assert "moe_shared_expert_overlap" not in kwargs(Layout(ep=2, dispatcher="allgather"))
+    asked = kwargs(Layout(ep=2, overlap_moe_expert_parallel_comm=True))
+    assert asked["overlap_moe_expert_parallel_comm"] is True and "moe_shared_expert_overlap" not in asked
+    fields = TransformerConfig.__dataclass_fields__
+    assert engine_megatron.known_config_kwargs(asked, fields) == asked  # megatron-core 0.16.1 has both
+    assert "overlap_moe_expert_parallel_comm" not in engine_megatron.known_config_kwargs(asked, {"num_layers": 0})
