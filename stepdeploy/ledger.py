@@ -267,8 +267,10 @@ class Ledger:
         db.execute("INSERT INTO events (run_id, ts, stage, rung, kind, message, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
                    (run_id, self.clock(), stage, rung, kind, message, _dumps(data or {})))
 
-    def events(self, run_id: str, since_id: int = 0) -> list[dict[str, Any]]:
-        rows = self.db.execute("SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, since_id))
+    def events(self, run_id: str, since_id: int = 0, *, kind: str | None = None) -> list[dict[str, Any]]:
+        """The run's events after `since_id` in order; of one `kind` only when given."""
+        rows = self.db.execute("SELECT * FROM events WHERE run_id = ? AND id > ? AND (?3 IS NULL OR kind = ?3) "
+                               "ORDER BY id", (run_id, since_id, kind))
         return [{**dict(r), "data": self._loads(r["data"])} for r in rows]
 
     def add_metrics(self, run_id: str, attempt_id: int, rows: list[tuple[float, int, int, str, float]]) -> None:

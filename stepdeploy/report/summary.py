@@ -22,7 +22,7 @@ from stepdeploy.report.query import RungFacts
 # resolved checkpoint interval and its goodput included); anything else (failure, restart, fault injection,
 # monitor breaches) counts as a fault/notice.
 LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate", "warmup", "config", "stop", "schedule", "checkpoint",
-                      "goodput")
+                      "goodput", "launched")
 
 
 # The metrics the plots draw (report/plots*.py): the scalars and the per-layer/per-depth families by prefix.
