@@ -20,7 +20,7 @@ import socket
 import sqlite3
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,7 @@ from stepdeploy.ledger_schema import (
     STAGE_STATES,
     NotALedger,
     check_ledger,
+    check_metric_row,
 )
 
 # Re-exported: the ledger's readers import them from here.
@@ -289,12 +290,20 @@ class Ledger:
         """The finite values of metric `name` (see nonfinite_metrics for the others)."""
         rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND name = ? AND value IS NOT NULL "
                                "ORDER BY ts, rank", (run_id, name))
-        return [dict(r) for r in rows]
+        return self._checked_metrics(rows)
 
     def nonfinite_metrics(self, run_id: str) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND value IS NULL ORDER BY ts, rank",
                                (run_id,))
-        return [dict(r) for r in rows]
+        return self._checked_metrics(rows)
+
+    def _checked_metrics(self, rows: Iterable[sqlite3.Row]) -> list[dict[str, Any]]:
+        """Metric rows as read, each checked (a large ledger's are not checked at open: ledger_schema.py)."""
+        out = [dict(r) for r in rows]
+        for row in out:
+            if (fault := check_metric_row(row)) is not None:
+                raise NotALedger(f"{self.path}: {fault}; the ledger is corrupt or was not written by stepdeploy")
+        return out
 
 
 def _known(status: str, states: tuple[str, ...], what: str) -> None:

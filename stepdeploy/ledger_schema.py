@@ -7,6 +7,13 @@ tables and indexes below: a trigger or view would run or answer as SQL stepdeplo
 column's type, every value's range (known states only, finite times within [0, 1e10], positions, ranks and
 iterations as the nodes' records allow, a verdict that is 0 or 1), JSON columns of bounded length, and the
 rows' links (each run has stages, a passed run only stages that passed or were skipped).
+
+Metric rows are checked when they are read, in a ledger larger than FULL_CHECK_BYTES: a 72-hour soak holds some 42
+million, and checking each at every open took 25 s (its `PRAGMA quick_check` 5 s more). Such a ledger has every
+other table checked whole (rows and pages), its metrics' attempts checked against the attempts it holds (from the
+index), and each metric row checked by the query that reads it (`check_metric_row`; report/query.py's aggregates
+carry the same checks over the rows they aggregate): a row of the wrong type or out of range that a reader meets
+refuses the ledger as the check at open does, and a damaged page it meets does too (report/summary.py).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ MAX_TEXT_CHARS = 1 << 20  # a reason, a message, a name
 MAX_JSON_CHARS = 1 << 22  # a config, a detail, an event's data (a long soak's goodput is some 100 KiB)
 MAX_POSITION = 1_000_000
 
+NONFINITE = ("nan", "inf", "-inf")  # what metrics.nonfinite may say
 _NUMBER, _TEXT, _INT = ("real", "integer"), ("text",), ("integer",)
 # What every column must hold (SQLite stores any type anywhere), so that the report and the controller never
 # meet a string where a time should be, or a detail that is not JSON.
@@ -105,11 +113,12 @@ RANGES: dict[str, dict[str, str]] = {
     "verdicts": {"ts": _TIME, "passed": "IN (0, 1)"},
     "metrics": {"ts": _TIME, "rank": f"BETWEEN 0 AND {RANK_MAX}", "iteration": f"BETWEEN 0 AND {ITERATION_MAX}",
                 "value": "BETWEEN -1.7976931348623157e308 AND 1.7976931348623157e308",  # finite
-                "nonfinite": _states(("nan", "inf", "-inf"))},
+                "nonfinite": _states(NONFINITE)},
 }
+FULL_CHECK_BYTES = 64 << 20  # a ledger up to this size has every metric row checked when it is opened
 _INDEXES = {"metrics_by_attempt": "metrics", **{f"sqlite_autoindex_{t}_1": t for t in ("meta", "runs", "stages",
                                                                                         "rungs")}}
-_HINT = "give the run directory of a stepdeploy rollout (stepdeploy rollout list)"
+LEDGER_HINT = _HINT = "give the run directory of a stepdeploy rollout (stepdeploy rollout list)"
 
 
 class NotALedger(BadInput):
@@ -132,15 +141,74 @@ def check_ledger(db: sqlite3.Connection, path: Path) -> int | None:
     if version not in (1, SCHEMA_VERSION):
         raise NotALedger(f"{path}: a rollout ledger of schema {str(row[0])[:40] if row else '(none)'}; this "
                          f"stepdeploy reads schema 1 and {SCHEMA_VERSION}", hint=_HINT)
-    damage = [str(r[0]) for r in db.execute("PRAGMA quick_check(3)")]
-    if damage != ["ok"]:  # a damaged page or index would fail a later query: refuse it now
-        found = " ".join("; ".join(damage).split())[:200]
-        raise NotALedger(f"{path}: the rollout ledger is damaged ({found})", hint=_HINT)
+    whole = _size(db) <= FULL_CHECK_BYTES or version == 1  # version 1 is rebuilt (every row read) when opened
+    checks = ["PRAGMA quick_check(3)"] if whole else [f"PRAGMA quick_check({t})" for t in sorted(tables)
+                                                       if t != "metrics"]
+    for check in checks:
+        damage = [str(r[0]) for r in db.execute(check)]
+        if damage != ["ok"]:  # a damaged page or index would fail a later query: refuse it now
+            found = " ".join("; ".join(damage).split())[:200]
+            raise NotALedger(f"{path}: the rollout ledger is damaged ({found})", hint=_HINT)
     spec = V1_COLUMNS if version == 1 else COLUMNS
     for table, columns in spec.items():
-        _check_rows(db, path, table, columns)
+        if whole or table != "metrics":
+            _check_rows(db, path, table, columns)
+        else:
+            _check_metric_attempts(db, path, columns)
     _check_links(db, path)
     return version
+
+
+def _size(db: sqlite3.Connection) -> int:
+    return int(db.execute("PRAGMA page_count").fetchone()[0]) * int(db.execute("PRAGMA page_size").fetchone()[0])
+
+
+_METRIC_ATTEMPTS = """WITH RECURSIVE a(id) AS (
+    SELECT (SELECT attempt_id FROM metrics ORDER BY attempt_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT attempt_id FROM metrics WHERE attempt_id > a.id ORDER BY attempt_id LIMIT 1) FROM a
+    WHERE a.id IS NOT NULL)
+SELECT id FROM a WHERE id IS NOT NULL LIMIT 1000001"""
+
+
+def _check_metric_attempts(db: sqlite3.Connection, path: Path, columns: dict[str, tuple[str, ...]]) -> None:
+    """A large ledger's metrics at open (their rows are checked as they are read): the columns, and the attempts
+    its rows name (one index seek each) are attempts the ledger holds."""
+    present = {r[1] for r in db.execute("PRAGMA table_info(metrics)")}
+    if set(columns) - present:
+        raise NotALedger(f"{path}: table metrics lacks {', '.join(sorted(set(columns) - present))}; "
+                         "not a rollout ledger this stepdeploy wrote")
+    attempts = {r[0] for r in db.execute("SELECT id FROM attempts")}
+    for (attempt,) in db.execute(_METRIC_ATTEMPTS):
+        if type(attempt) is not int or attempt not in attempts:
+            raise NotALedger(f"{path}: table metrics holds rows of attempt {str(attempt)[:40]!r}, which the ledger "
+                             "does not hold; the ledger is corrupt or was not written by stepdeploy", hint=_HINT)
+
+
+def _in(value: object, low: float, high: float, integral: bool) -> bool:
+    if integral:
+        return type(value) is int and low <= value <= high
+    return type(value) in (int, float) and low <= value <= high  # NaN fails
+
+
+_FLOAT_MAX = 1.7976931348623157e308
+
+
+def check_metric_row(row: dict[str, object]) -> str | None:
+    """What is wrong with one metric row as read (any subset of its columns), or None: the checks that
+    check_ledger's SQL makes at open (COLUMNS and RANGES of table metrics)."""
+    tests = {"run_id": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
+             "name": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
+             "attempt_id": lambda v: type(v) is int, "ts": lambda v: _in(v, 0, TIME_MAX, False),
+             "rank": lambda v: _in(v, 0, RANK_MAX, True), "iteration": lambda v: _in(v, 0, ITERATION_MAX, True),
+             "value": lambda v: v is None or _in(v, -_FLOAT_MAX, _FLOAT_MAX, False),
+             "nonfinite": lambda v: v is None or v in NONFINITE}
+    for column, value in row.items():
+        test = tests.get(column)
+        if test is not None and not test(value):
+            return (f"a metric row ({str(row.get('name', '?'))[:80]}) holds a value of the wrong type or out of "
+                    f"range in column {column}")
+    return None
 
 
 def _check_objects(db: sqlite3.Connection, path: Path) -> None:
