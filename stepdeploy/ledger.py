@@ -28,6 +28,7 @@ from typing import Any
 
 from stepdeploy import safeio
 from stepdeploy.errors import BadInput, StepdeployError
+from stepdeploy.ledger_buckets import add_buckets, add_table
 from stepdeploy.ledger_schema import (
     ATTEMPT_STATES,
     FINAL,
@@ -103,13 +104,21 @@ class Ledger:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")  # a committed transition survives a power cut
             if version is None:
-                self.db.executescript(SCHEMA)
-                self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                with self.tx() as db:
+                    for statement in filter(str.strip, SCHEMA.split(";")):
+                        db.execute(statement)
+                    db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                    add_table(db)
             elif version == 1:
                 with self.tx() as db:
                     for statement in filter(str.strip, MIGRATE_1.split(";")):
                         db.execute(statement)
                     db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                    add_table(db)
+            elif self.create and self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'metric_buckets'"
+                                                 ).fetchone() is None:
+                with self.tx() as db:  # a ledger written before the metric summaries (ledger_buckets.py)
+                    add_table(db)
         except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # sqlite's message can quote damaged bytes
             raise NotALedger(f"{self.path}: not a readable rollout ledger ({exc})",
                              hint="stepdeploy rollout list  (shows the runs and their directories)") from None
@@ -277,10 +286,12 @@ class Ledger:
     def add_metrics(self, run_id: str, attempt_id: int, rows: list[tuple[float, int, int, str, float]]) -> None:
         """rows: (ts, rank, iteration, name, value), already downsampled by the caller. A value that is not
         finite (a NaN loss) is stored as NULL with `nonfinite` saying what it was: the gates judge it, the
-        ledger never refuses it."""
+        ledger never refuses it. The finite rows are added to their buckets (ledger_buckets.py) in the same
+        transaction."""
         with self.tx() as db:
             db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                            [(run_id, attempt_id, *row[:4], *_metric_value(row[4])) for row in rows])
+            add_buckets(db, run_id, attempt_id, rows)  # the report's summaries of the finite rows
 
     def metric_names(self, run_id: str) -> list[str]:
         rows = self.db.execute("SELECT DISTINCT name FROM metrics WHERE run_id = ? ORDER BY name", (run_id,))

@@ -52,6 +52,15 @@ CREATE TABLE IF NOT EXISTS metrics (
     iteration INTEGER NOT NULL, name TEXT NOT NULL, value REAL, nonfinite TEXT);
 CREATE INDEX IF NOT EXISTS metrics_by_attempt ON metrics (attempt_id, name, iteration);
 """
+# The per-bucket summaries of the finite metric rows (table metric_buckets): per attempt, metric (one without a
+# '/': the per-layer ones are sampled, never bucketed, by the report), rank and bucket of BUCKET_ITERATIONS
+# iterations (bucket = iteration // BUCKET_ITERATIONS), the rows' count, sums of time and value, lowest and
+# highest time, iteration and value. Written by Ledger.add_metrics with the rows, so that the report of a long soak
+# reads O(buckets) rows, not O(rows). A ledger written before the table existed gets it (empty) when a writer
+# opens it, with meta 'metric_buckets_from' the first attempt whose rows are all summarised (the attempts before
+# it are read row by row); a ledger without the table is read row by row.
+BUCKET_ITERATIONS = 16
+BUCKETS_FROM = "metric_buckets_from"
 # Version 1's metrics table held finite values only (value REAL NOT NULL); version 2 rebuilds it.
 MIGRATE_1 = """
 ALTER TABLE metrics RENAME TO metrics_v1;
@@ -92,8 +101,15 @@ COLUMNS: dict[str, dict[str, tuple[str, ...]]] = {
                  "passed": _INT, "measured": ("jsonany",), "threshold": ("jsonany",), "reason": _TEXT},
     "metrics": {"run_id": _TEXT, "attempt_id": _INT, "ts": _NUMBER, "rank": _INT, "iteration": _INT,
                 "name": _TEXT, "value": (*_NUMBER, "null"), "nonfinite": (*_TEXT, "null")},
+    "metric_buckets": {"run_id": _TEXT, "attempt_id": _INT, "name": _TEXT, "rank": _INT, "bucket": _INT,
+                       "count": _INT, "first_iteration": _INT, "last_iteration": _INT, "sum_ts": _NUMBER,
+                       "first_ts": _NUMBER, "last_ts": _NUMBER, "sum_value": _NUMBER, "low": _NUMBER,
+                       "high": _NUMBER},
 }
-V1_COLUMNS = {**COLUMNS, "metrics": {k: v for k, v in COLUMNS["metrics"].items() if k != "nonfinite"}}
+OPTIONAL_TABLES = frozenset(("metric_buckets",))  # a ledger written before it has none (read row by row)
+LARGE_TABLES = frozenset(("metrics", "metric_buckets"))  # checked as read in a large ledger
+V1_COLUMNS = {**{t: c for t, c in COLUMNS.items() if t != "metric_buckets"},
+              "metrics": {k: v for k, v in COLUMNS["metrics"].items() if k != "nonfinite"}}
 
 
 def _states(states: tuple[str, ...]) -> str:
@@ -101,6 +117,7 @@ def _states(states: tuple[str, ...]) -> str:
 
 
 _TIME = f"BETWEEN 0 AND {TIME_MAX!r}"  # NULL passes where the column may be NULL (checked by its type)
+_FINITE_RANGE = "BETWEEN -1.7976931348623157e308 AND 1.7976931348623157e308"
 # What every value must satisfy beyond its type (SQL on the column; a NULL the type allows passes).
 RANGES: dict[str, dict[str, str]] = {
     "runs": {"created": _TIME, "updated": _TIME, "status": _states(RUN_STATES)},
@@ -112,12 +129,19 @@ RANGES: dict[str, dict[str, str]] = {
     "events": {"ts": _TIME},
     "verdicts": {"ts": _TIME, "passed": "IN (0, 1)"},
     "metrics": {"ts": _TIME, "rank": f"BETWEEN 0 AND {RANK_MAX}", "iteration": f"BETWEEN 0 AND {ITERATION_MAX}",
-                "value": "BETWEEN -1.7976931348623157e308 AND 1.7976931348623157e308",  # finite
+                "value": _FINITE_RANGE,
                 "nonfinite": _states(NONFINITE)},
+    "metric_buckets": {"rank": f"BETWEEN 0 AND {RANK_MAX}", "bucket": f"BETWEEN 0 AND {ITERATION_MAX}",
+                       "count": "BETWEEN 1 AND 9007199254740992",
+                       "first_iteration": f"BETWEEN 0 AND {ITERATION_MAX}",
+                       "last_iteration": f"BETWEEN first_iteration AND {ITERATION_MAX}",
+                       "sum_ts": "BETWEEN 0 AND 1.7976931348623157e308", "first_ts": _TIME,
+                       "last_ts": f"BETWEEN first_ts AND {TIME_MAX!r}", "low": _FINITE_RANGE, "high": _FINITE_RANGE,
+                       "sum_value": _FINITE_RANGE},
 }
 FULL_CHECK_BYTES = 64 << 20  # a ledger up to this size has every metric row checked when it is opened
 _INDEXES = {"metrics_by_attempt": "metrics", **{f"sqlite_autoindex_{t}_1": t for t in ("meta", "runs", "stages",
-                                                                                        "rungs")}}
+                                                                                        "rungs", "metric_buckets")}}
 LEDGER_HINT = _HINT = "give the run directory of a stepdeploy rollout (stepdeploy rollout list)"
 
 
@@ -132,7 +156,7 @@ def check_ledger(db: sqlite3.Connection, path: Path) -> int | None:
     if not tables:
         _check_objects(db, path)  # an index, view or trigger without a table is not an empty file either
         return None
-    if not set(COLUMNS) <= tables:
+    if not set(COLUMNS) - OPTIONAL_TABLES <= tables:
         raise NotALedger(f"{path}: not a stepdeploy rollout ledger (its tables: "
                          f"{', '.join(sorted(tables))[:200]})", hint=_HINT)
     _check_objects(db, path)
@@ -143,7 +167,7 @@ def check_ledger(db: sqlite3.Connection, path: Path) -> int | None:
                          f"stepdeploy reads schema 1 and {SCHEMA_VERSION}", hint=_HINT)
     whole = _size(db) <= FULL_CHECK_BYTES or version == 1  # version 1 is rebuilt (every row read) when opened
     checks = ["PRAGMA quick_check(3)"] if whole else [f"PRAGMA quick_check({t})" for t in sorted(tables)
-                                                       if t != "metrics"]
+                                                       if t not in LARGE_TABLES]
     for check in checks:
         damage = [str(r[0]) for r in db.execute(check)]
         if damage != ["ok"]:  # a damaged page or index would fail a later query: refuse it now
@@ -151,10 +175,18 @@ def check_ledger(db: sqlite3.Connection, path: Path) -> int | None:
             raise NotALedger(f"{path}: the rollout ledger is damaged ({found})", hint=_HINT)
     spec = V1_COLUMNS if version == 1 else COLUMNS
     for table, columns in spec.items():
-        if whole or table != "metrics":
+        if table not in tables:  # an optional table (OPTIONAL_TABLES) this ledger does not have
+            continue
+        if whole or table not in LARGE_TABLES:
             _check_rows(db, path, table, columns)
-        else:
+        elif table == "metrics":
             _check_metric_attempts(db, path, columns)
+        else:
+            _check_columns(db, path, table, columns)
+    if version == 1 and "metric_buckets" in tables:
+        raise NotALedger(f"{path}: a rollout ledger of schema 1 with table metric_buckets, which schema 1 never had",
+                         hint=_HINT)
+    _check_buckets_from(db, path, "metric_buckets" in tables)
     _check_links(db, path)
     return version
 
@@ -183,6 +215,56 @@ def _check_metric_attempts(db: sqlite3.Connection, path: Path, columns: dict[str
         if type(attempt) is not int or attempt not in attempts:
             raise NotALedger(f"{path}: table metrics holds rows of attempt {str(attempt)[:40]!r}, which the ledger "
                              "does not hold; the ledger is corrupt or was not written by stepdeploy", hint=_HINT)
+
+
+def _check_columns(db: sqlite3.Connection, path: Path, table: str, columns: dict[str, tuple[str, ...]]) -> None:
+    present = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+    if set(columns) - present:
+        raise NotALedger(f"{path}: table {table} lacks {', '.join(sorted(set(columns) - present))}; "
+                         "not a rollout ledger this stepdeploy wrote")
+
+
+def _check_buckets_from(db: sqlite3.Connection, path: Path, has_table: bool) -> None:
+    """meta's BUCKETS_FROM: an attempt id (text of digits) where the ledger has table metric_buckets, absent
+    where it has not."""
+    row = db.execute("SELECT value FROM meta WHERE key = ?", (BUCKETS_FROM,)).fetchone()
+    if row is None if has_table else row is not None:
+        raise NotALedger(f"{path}: table metric_buckets and meta {BUCKETS_FROM!r} come together; this ledger has "
+                         "one without the other", hint=_HINT)
+    if row is not None and not (type(row[0]) is str and row[0].isdigit() and len(row[0]) <= 16):
+        raise NotALedger(f"{path}: meta {BUCKETS_FROM!r} is not an attempt id", hint=_HINT)
+
+
+def buckets_from(db: sqlite3.Connection) -> int | None:
+    """The first attempt whose finite metric rows are all summarised in metric_buckets; None: no such table
+    (check_ledger has checked the value)."""
+    row = db.execute("SELECT value FROM meta WHERE key = ?", (BUCKETS_FROM,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def check_bucket_row(row: dict[str, object]) -> str | None:
+    """What is wrong with one metric_buckets row as read (the columns it has), or None: COLUMNS and RANGES of
+    table metric_buckets, as check_ledger's SQL checks them at open in a small ledger."""
+    def number(v: object, low: float, high: float) -> bool:
+        return _in(v, low, high, False)
+    tests = {"run_id": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
+             "name": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
+             "attempt_id": lambda v: type(v) is int, "rank": lambda v: _in(v, 0, RANK_MAX, True),
+             "bucket": lambda v: _in(v, 0, ITERATION_MAX, True), "count": lambda v: _in(v, 1, 1 << 53, True),
+             "first_iteration": lambda v: _in(v, 0, ITERATION_MAX, True),
+             "last_iteration": lambda v: _in(v, 0, ITERATION_MAX, True),
+             "sum_ts": lambda v: number(v, 0, _FLOAT_MAX), "first_ts": lambda v: number(v, 0, TIME_MAX),
+             "last_ts": lambda v: number(v, 0, TIME_MAX), "sum_value": lambda v: number(v, -_FLOAT_MAX, _FLOAT_MAX),
+             "low": lambda v: number(v, -_FLOAT_MAX, _FLOAT_MAX), "high": lambda v: number(v, -_FLOAT_MAX, _FLOAT_MAX)}
+    for column, value in row.items():
+        test = tests.get(column)
+        if test is not None and not test(value):
+            return (f"a metric bucket ({str(row.get('name', '?'))[:80]}) holds a value of the wrong type or out of "
+                    f"range in column {column}")
+    if (type(row.get("first_iteration")) is int and type(row.get("last_iteration")) is int
+            and row["first_iteration"] > row["last_iteration"]):  # type: ignore[operator]
+        return f"a metric bucket ({str(row.get('name', '?'))[:80]}) ends before it starts"
+    return None
 
 
 def _in(value: object, low: float, high: float, integral: bool) -> bool:

@@ -26,7 +26,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepdeploy.ledger_schema import NONFINITE, check_metric_row
+from stepdeploy.ledger_buckets import summarised
+from stepdeploy.ledger_schema import (
+    BUCKET_ITERATIONS,
+    COLUMNS,
+    NONFINITE,
+    RANGES,
+    buckets_from,
+    check_metric_row,
+    value_test,
+)
 
 MAX_POINTS = 2000  # steps per plotted series before it is bucketed
 CACHE_KIB = 65536  # the report's page cache: a soak attempt's rows read once per series, not once per row
@@ -115,7 +124,10 @@ def bucket_width(spans: Sequence[Extent], limit: int = MAX_POINTS) -> int:
     if sum(e.steps for e in spans) <= limit:
         return 1
     room = max(limit - 2 * len(spans), limit // 2)
-    return max(2, math.ceil(sum(e.last - e.first + 1 for e in spans) / room))
+    width = max(2, math.ceil(sum(e.last - e.first + 1 for e in spans) / room))
+    if width <= BUCKET_ITERATIONS:
+        return width
+    return math.ceil(width / BUCKET_ITERATIONS) * BUCKET_ITERATIONS  # whole ledger buckets (metric_buckets)
 
 
 def series(db: sqlite3.Connection, run_id: str, name: str, attempt_ids: Sequence[int], *, sampled: bool = False,
@@ -128,6 +140,7 @@ def series(db: sqlite3.Connection, run_id: str, name: str, attempt_ids: Sequence
             f"SELECT * FROM metrics WHERE run_id = ? AND attempt_id IN ({', '.join('?' * len(spans))}) AND name = ? "
             "AND value IS NOT NULL ORDER BY ts, rank", (run_id, *spans, name)))
     rows: list[dict[str, Any]] = []
+    first_summarised = buckets_from(db) if width % BUCKET_ITERATIONS == 0 and summarised(name) else None
     for attempt, span in spans.items():
         if sampled:  # one index seek per sampled iteration
             wanted = json.dumps(list(range(span.first - span.first % width, span.last + 1, width)))
@@ -135,7 +148,10 @@ def series(db: sqlite3.Connection, run_id: str, name: str, attempt_ids: Sequence
                                "json_each(?)) ORDER BY ts, rank", (run_id, attempt, name, wanted))
             rows += checked(found)
             continue
-        found = db.execute(_BUCKETS, (run_id, attempt, name, width))
+        if first_summarised is not None and attempt >= first_summarised:  # the ledger's summaries of its rows
+            found = db.execute(_SUMMARIES, (run_id, attempt, name, width // BUCKET_ITERATIONS))
+        else:
+            found = db.execute(_BUCKETS, (run_id, attempt, name, width))
         rows += [_bucket(attempt, name, dict(r)) for r in found]
     return rows
 
@@ -148,6 +164,18 @@ _BUCKETS = (
     "ORDER BY 3, 1")
 
 
+_BUCKET_TESTS = " AND ".join(value_test(column, kinds, RANGES["metric_buckets"].get(column))
+                             for column, kinds in COLUMNS["metric_buckets"].items())
+# The same buckets from the ledger's summaries (ledger_buckets.py): a bucket of `width` iterations is the
+# width // BUCKET_ITERATIONS summaries whose bucket // that is the same; every summary row is checked (`bad`).
+_SUMMARIES = (
+    "SELECT rank, MIN(first_iteration) AS iteration, SUM(sum_ts) / SUM(count) AS ts, "
+    "SUM(sum_value) / SUM(count) AS value, MIN(low) AS low, MAX(high) AS high, SUM(count) AS count, "
+    "MIN(first_ts) AS first_ts, MAX(last_ts) AS last_ts, MAX(last_iteration) AS last, "
+    f"SUM(NOT ({_BUCKET_TESTS})) AS bad FROM metric_buckets WHERE run_id = ? AND attempt_id = ? AND name = ? "
+    "GROUP BY rank, bucket / ? ORDER BY 3, 1")
+
+
 def _bucket(attempt: int, name: str, row: dict[str, Any]) -> dict[str, Any]:
     """A bucket's row, its rows checked by its aggregates (the text or blob that MAX would meet sorts after every
     number)."""
@@ -156,8 +184,7 @@ def _bucket(attempt: int, name: str, row: dict[str, Any]) -> dict[str, Any]:
                     {"ts": last_ts, "iteration": last, "value": row["high"]}):
         _check(name, **columns)
     if bad:
-        raise BadMetric(f"a metric row ({name[:80]}) holds a value of the wrong type or out of range in column "
-                        "iteration or nonfinite")
+        raise BadMetric(f"a metric row or bucket ({name[:80]}) holds a value of the wrong type or out of range")
     return {"attempt_id": attempt, "name": name, **row}
 
 
