@@ -20,7 +20,7 @@ import socket
 import sqlite3
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from typing import Any
 
 from stepdeploy import safeio
 from stepdeploy.errors import BadInput, StepdeployError
+from stepdeploy.ledger_buckets import add_buckets, add_table
 from stepdeploy.ledger_schema import (
     ATTEMPT_STATES,
     FINAL,
@@ -38,6 +39,7 @@ from stepdeploy.ledger_schema import (
     STAGE_STATES,
     NotALedger,
     check_ledger,
+    check_metric_row,
 )
 
 # Re-exported: the ledger's readers import them from here.
@@ -102,13 +104,21 @@ class Ledger:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")  # a committed transition survives a power cut
             if version is None:
-                self.db.executescript(SCHEMA)
-                self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                with self.tx() as db:
+                    for statement in filter(str.strip, SCHEMA.split(";")):
+                        db.execute(statement)
+                    db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                    add_table(db)
             elif version == 1:
                 with self.tx() as db:
                     for statement in filter(str.strip, MIGRATE_1.split(";")):
                         db.execute(statement)
                     db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                    add_table(db)
+            elif self.create and self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'metric_buckets'"
+                                                 ).fetchone() is None:
+                with self.tx() as db:  # a ledger written before the metric summaries (ledger_buckets.py)
+                    add_table(db)
         except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # sqlite's message can quote damaged bytes
             raise NotALedger(f"{self.path}: not a readable rollout ledger ({exc})",
                              hint="stepdeploy rollout list  (shows the runs and their directories)") from None
@@ -267,17 +277,21 @@ class Ledger:
         db.execute("INSERT INTO events (run_id, ts, stage, rung, kind, message, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
                    (run_id, self.clock(), stage, rung, kind, message, _dumps(data or {})))
 
-    def events(self, run_id: str, since_id: int = 0) -> list[dict[str, Any]]:
-        rows = self.db.execute("SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, since_id))
+    def events(self, run_id: str, since_id: int = 0, *, kind: str | None = None) -> list[dict[str, Any]]:
+        """The run's events after `since_id` in order; of one `kind` only when given."""
+        rows = self.db.execute("SELECT * FROM events WHERE run_id = ? AND id > ? AND (?3 IS NULL OR kind = ?3) "
+                               "ORDER BY id", (run_id, since_id, kind))
         return [{**dict(r), "data": self._loads(r["data"])} for r in rows]
 
     def add_metrics(self, run_id: str, attempt_id: int, rows: list[tuple[float, int, int, str, float]]) -> None:
         """rows: (ts, rank, iteration, name, value), already downsampled by the caller. A value that is not
         finite (a NaN loss) is stored as NULL with `nonfinite` saying what it was: the gates judge it, the
-        ledger never refuses it."""
+        ledger never refuses it. The finite rows are added to their buckets (ledger_buckets.py) in the same
+        transaction."""
         with self.tx() as db:
             db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                            [(run_id, attempt_id, *row[:4], *_metric_value(row[4])) for row in rows])
+            add_buckets(db, run_id, attempt_id, rows)  # the report's summaries of the finite rows
 
     def metric_names(self, run_id: str) -> list[str]:
         rows = self.db.execute("SELECT DISTINCT name FROM metrics WHERE run_id = ? ORDER BY name", (run_id,))
@@ -287,12 +301,20 @@ class Ledger:
         """The finite values of metric `name` (see nonfinite_metrics for the others)."""
         rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND name = ? AND value IS NOT NULL "
                                "ORDER BY ts, rank", (run_id, name))
-        return [dict(r) for r in rows]
+        return self._checked_metrics(rows)
 
     def nonfinite_metrics(self, run_id: str) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT * FROM metrics WHERE run_id = ? AND value IS NULL ORDER BY ts, rank",
                                (run_id,))
-        return [dict(r) for r in rows]
+        return self._checked_metrics(rows)
+
+    def _checked_metrics(self, rows: Iterable[sqlite3.Row]) -> list[dict[str, Any]]:
+        """Metric rows as read, each checked (a large ledger's are not checked at open: ledger_schema.py)."""
+        out = [dict(r) for r in rows]
+        for row in out:
+            if (fault := check_metric_row(row)) is not None:
+                raise NotALedger(f"{self.path}: {fault}; the ledger is corrupt or was not written by stepdeploy")
+        return out
 
 
 def _known(status: str, states: tuple[str, ...], what: str) -> None:

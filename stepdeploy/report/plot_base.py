@@ -3,8 +3,9 @@ metrics' and goodput's): the time axis, the stage shading, per-attempt curves co
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +69,34 @@ def _segment_colors(data: RunData) -> dict[tuple[str, str], Any]:
     return dict(zip(segments, palette, strict=True))
 
 
-def draw(ax: Axes, axis: TimeAxis, points: list[dict[str, Any]], **style: Any) -> None:
-    """A line through `points`; where they are buckets of a long series (report/query.py), the band of each
-    bucket's minimum..maximum behind it, so a spike the mean smooths away still shows."""
-    x = [axis(p["ts"]) for p in points]
-    ax.plot(x, [p["value"] for p in points], **style)
-    if points and "low" in points[0]:
-        ax.fill_between(x, [p["low"] for p in points], [p["high"] for p in points], color=style.get("color"),
-                        alpha=0.3, linewidth=0)
+def draw_attempts(ax: Axes, axis: TimeAxis, groups: Iterable[list[dict[str, Any]]], label: str | None = None,
+                  **style: Any) -> None:
+    """A line through each group of points (an attempt's); where they are buckets of a long series
+    (report/query.py), the band of each bucket's minimum..maximum behind it, so a spike the mean smooths away still
+    shows. All groups are ONE line and one band, broken between groups (a NaN ends a matplotlib line and band): a
+    line per attempt drew the same in 5,900 artists for a 72-hour soak (101 attempts x 58 series), 12 s of its
+    HTML report."""
+    x: list[float] = []
+    y: list[float] = []
+    low: list[float] = []
+    high: list[float] = []
+    banded = False
+    for points in groups:
+        if not points:
+            continue
+        if x:
+            for column in (x, y, low, high):
+                column.append(math.nan)
+        x += [axis(p["ts"]) for p in points]
+        y += [p["value"] for p in points]
+        low += [p.get("low", p["value"]) for p in points]
+        high += [p.get("high", p["value"]) for p in points]
+        banded = banded or "low" in points[0]
+    if not x:
+        return
+    ax.plot(x, y, label=label, **style)
+    if banded:
+        ax.fill_between(x, low, high, color=style.get("color"), alpha=0.3, linewidth=0)
 
 
 def per_attempt(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -90,13 +111,14 @@ def by_segment(data: RunData, ax: Axes, axis: TimeAxis, name: str, ylabel: str) 
     if not rows:
         return False
     shade_stages(data, ax, axis)
-    colors, labelled = _segment_colors(data), set()
+    colors = _segment_colors(data)
     marker = "." if len(rows) < 150 else None
+    segments: dict[tuple[str, str], list[list[dict[str, Any]]]] = defaultdict(list)
     for attempt_id, points in per_attempt(lowest_rank(rows)).items():
-        segment = data.segment_of[attempt_id]
-        label = None if segment in labelled else plain("/".join(segment))
-        labelled.add(segment)
-        draw(ax, axis, points, color=colors[segment], label=label, marker=marker, linewidth=1.3)
+        segments[data.segment_of[attempt_id]].append(points)
+    for segment, groups in segments.items():
+        draw_attempts(ax, axis, groups, plain("/".join(segment)), color=colors[segment], marker=marker,
+                      linewidth=1.3)
     ax.set_ylabel(ylabel)
     legend(ax)
     return True

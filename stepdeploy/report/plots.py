@@ -20,7 +20,7 @@ from stepdeploy.report.plot_base import (
     Drawer,
     TimeAxis,
     by_segment,
-    draw,
+    draw_attempts,
     legend,
     per_attempt,
     plain,
@@ -106,9 +106,8 @@ def _rank_step_time(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
         _rank_band(rows, ax, axis)
     else:
         for rank in ranks:
-            for i, points in enumerate(per_attempt([r for r in rows if r["rank"] == rank]).values()):
-                draw(ax, axis, points, color=f"C{rank % 10}", label=f"rank {rank}" if i == 0 else None,
-                     linewidth=1.0)
+            draw_attempts(ax, axis, per_attempt([r for r in rows if r["rank"] == rank]).values(), f"rank {rank}",
+                          color=f"C{rank % 10}", linewidth=1.0)
     ax.set_ylabel("step time (s)")
     legend(ax)
     return True
@@ -128,8 +127,8 @@ def _rank_band(rows: list[dict[str, Any]], ax: Axes, axis: TimeAxis) -> None:
         ax.plot(x, [v[len(v) // 2] for v in values], color="C0", label="median rank" if i == 0 else None)
     _, slowest = rank_skew(rows)
     if slowest is not None:
-        for i, points in enumerate(per_attempt([r for r in rows if r["rank"] == slowest]).values()):
-            draw(ax, axis, points, color="#d62728", linewidth=1.0, label=f"slowest: rank {slowest}" if i == 0 else None)
+        draw_attempts(ax, axis, per_attempt([r for r in rows if r["rank"] == slowest]).values(),
+                      f"slowest: rank {slowest}", color="#d62728", linewidth=1.0)
 
 
 def _memory(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
@@ -137,11 +136,13 @@ def _memory(data: RunData, ax: Axes, axis: TimeAxis) -> bool:
     drawn = False
     for i, (label, name) in enumerate(series.items()):
         rows = [r for r in data.metrics.get(name, []) if r["attempt_id"] in data.segment_of]
-        for j, points in enumerate(per_attempt(_max_over_ranks(rows)).values()):
-            if not drawn:
-                shade_stages(data, ax, axis)
-            drawn = True
-            draw(ax, axis, points, color=f"C{i}", label=label if j == 0 else None, linewidth=1.2)
+        groups = list(per_attempt(_max_over_ranks(rows)).values())
+        if not groups:
+            continue
+        if not drawn:
+            shade_stages(data, ax, axis)
+        drawn = True
+        draw_attempts(ax, axis, groups, label, color=f"C{i}", linewidth=1.2)
     if drawn:
         ax.set_ylabel("GiB")
         ax.set_ylim(bottom=0)

@@ -8,7 +8,16 @@ from typing import Any
 
 from matplotlib.axes import Axes
 
-from stepdeploy.report.plot_base import Drawer, TimeAxis, by_segment, draw, legend, per_attempt, plain, shade_stages
+from stepdeploy.report.plot_base import (
+    Drawer,
+    TimeAxis,
+    by_segment,
+    draw_attempts,
+    legend,
+    per_attempt,
+    plain,
+    shade_stages,
+)
 from stepdeploy.report.summary import (
     FAILURE_LABELS,
     GOODPUT_LABELS,
@@ -53,8 +62,7 @@ def _order(name: str) -> tuple[int, str]:
 
 def _lines(ax: Axes, axis: TimeAxis, rows: list[dict[str, Any]], label: str | None, **style: Any) -> None:
     """One series, a line per attempt (a restart leaves a gap), labelled once."""
-    for i, points in enumerate(per_attempt(rows).values()):
-        draw(ax, axis, points, label=label if i == 0 else None, **style)
+    draw_attempts(ax, axis, per_attempt(rows).values(), label, **style)
 
 
 def _each_layer(data: RunData, ax: Axes, axis: TimeAxis, prefix: str) -> None:

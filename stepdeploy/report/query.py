@@ -8,6 +8,13 @@ iteration)` one attempt and one metric at a time.
   is lost). Per-layer series (`moe_load/<layer>`, ...) above MAX_POINTS are sampled instead: the rows at every
   `width`-th iteration (context lines; their summary series, e.g. `moe_load_max`, keeps the envelope).
 - `rung_facts`: the figures the summary needs per rung, exact whatever the run's length.
+
+Every metric row read is checked against the ledger's schema as it is read (ledger_schema.check_metric_row; a
+bucket by its aggregates: the lowest and highest time, iteration and value, the type of every iteration and each
+`nonfinite`): a large ledger's metric rows are not checked when it is opened (ledger_schema.FULL_CHECK_BYTES), and
+one that breaks the schema raises BadMetric (report/summary.py refuses the ledger with it). The latest row of a
+metric is taken at each attempt's last iteration (a step is recorded after the steps before it; the index holds no
+time), so the summary's final loss and latest figures are a few index seeks per attempt, not a walk of its rows.
 """
 
 from __future__ import annotations
@@ -15,9 +22,20 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from stepdeploy.ledger_buckets import summarised
+from stepdeploy.ledger_schema import (
+    BUCKET_ITERATIONS,
+    COLUMNS,
+    NONFINITE,
+    RANGES,
+    buckets_from,
+    check_metric_row,
+    value_test,
+)
 
 MAX_POINTS = 2000  # steps per plotted series before it is bucketed
 CACHE_KIB = 65536  # the report's page cache: a soak attempt's rows read once per series, not once per row
@@ -31,9 +49,32 @@ _NAMES = """WITH RECURSIVE names(n) AS (
 SELECT n FROM names WHERE n IS NOT NULL"""
 
 
+class BadMetric(ValueError):
+    """A metric row read from the ledger breaks its schema (str(): what is wrong)."""
+
+
+def checked(rows: Iterable[sqlite3.Row]) -> list[dict[str, Any]]:
+    """The rows as dicts, each checked (BadMetric for the first that breaks the schema)."""
+    out = []
+    for row in rows:
+        found = dict(row)
+        if (fault := check_metric_row(found)) is not None:
+            raise BadMetric(fault)
+        out.append(found)
+    return out
+
+
+def _check(metric: str, /, **columns: Any) -> None:
+    if (fault := check_metric_row({"name": metric, **columns})) is not None:
+        raise BadMetric(fault)
+
+
 def attempt_metric_names(db: sqlite3.Connection, attempt_id: int) -> list[str]:
     """The metric names an attempt recorded (one index seek per name, not a scan of its rows)."""
-    return [r[0] for r in db.execute(_NAMES, (attempt_id,))]
+    names = [r[0] for r in db.execute(_NAMES, (attempt_id,))]
+    for name in names:
+        _check(str(name), name=name)
+    return names
 
 
 def last_metric_time(db: sqlite3.Connection, run_id: str, attempt_names: dict[int, list[str]]) -> float | None:
@@ -42,6 +83,8 @@ def last_metric_time(db: sqlite3.Connection, run_id: str, attempt_names: dict[in
     times = [r[0] for attempt, names in attempt_names.items() for name in names for r in db.execute(
         f"SELECT MAX(ts) FROM metrics WHERE {_FINITE} AND iteration = (SELECT iteration FROM metrics WHERE "
         f"{_FINITE} ORDER BY iteration DESC LIMIT 1)", (run_id, attempt, name) * 2) if r[0] is not None]
+    for ts in times:
+        _check("?", ts=ts)
     return max(times, default=None)
 
 
@@ -66,6 +109,8 @@ def extents(db: sqlite3.Connection, name: str, attempt_ids: Sequence[int], limit
             continue
         last = db.execute("SELECT iteration FROM metrics WHERE attempt_id = ? AND name = ? ORDER BY iteration DESC "
                           "LIMIT 1", (attempt, name)).fetchone()
+        _check(name, iteration=first[0])
+        _check(name, iteration=last[0])
         steps = db.execute("SELECT COUNT(*) FROM (SELECT DISTINCT iteration FROM metrics WHERE attempt_id = ? AND "
                            "name = ? LIMIT ?)", (attempt, name, max(left, 0))).fetchone()[0]
         left -= steps
@@ -79,7 +124,10 @@ def bucket_width(spans: Sequence[Extent], limit: int = MAX_POINTS) -> int:
     if sum(e.steps for e in spans) <= limit:
         return 1
     room = max(limit - 2 * len(spans), limit // 2)
-    return max(2, math.ceil(sum(e.last - e.first + 1 for e in spans) / room))
+    width = max(2, math.ceil(sum(e.last - e.first + 1 for e in spans) / room))
+    if width <= BUCKET_ITERATIONS:
+        return width
+    return math.ceil(width / BUCKET_ITERATIONS) * BUCKET_ITERATIONS  # whole ledger buckets (metric_buckets)
 
 
 def series(db: sqlite3.Connection, run_id: str, name: str, attempt_ids: Sequence[int], *, sampled: bool = False,
@@ -88,23 +136,56 @@ def series(db: sqlite3.Connection, run_id: str, name: str, attempt_ids: Sequence
     spans = extents(db, name, attempt_ids, limit)
     width = bucket_width(list(spans.values()), limit)
     if width == 1:
-        return [dict(r) for r in db.execute(
+        return checked(db.execute(
             f"SELECT * FROM metrics WHERE run_id = ? AND attempt_id IN ({', '.join('?' * len(spans))}) AND name = ? "
-            "AND value IS NOT NULL ORDER BY ts, rank", (run_id, *spans, name))]
+            "AND value IS NOT NULL ORDER BY ts, rank", (run_id, *spans, name)))
     rows: list[dict[str, Any]] = []
+    first_summarised = buckets_from(db) if width % BUCKET_ITERATIONS == 0 and summarised(name) else None
     for attempt, span in spans.items():
         if sampled:  # one index seek per sampled iteration
             wanted = json.dumps(list(range(span.first - span.first % width, span.last + 1, width)))
             found = db.execute(f"SELECT * FROM metrics WHERE {_FINITE} AND iteration IN (SELECT value FROM "
                                "json_each(?)) ORDER BY ts, rank", (run_id, attempt, name, wanted))
-            rows += [dict(r) for r in found]
+            rows += checked(found)
             continue
-        found = db.execute(
-            "SELECT rank, MIN(iteration) AS iteration, AVG(ts) AS ts, AVG(value) AS value, MIN(value) AS low, "
-            f"MAX(value) AS high, COUNT(*) AS count FROM metrics WHERE {_FINITE} GROUP BY rank, iteration / ? "
-            "ORDER BY 3, 1", (run_id, attempt, name, width))
-        rows += [{"attempt_id": attempt, "name": name, **dict(r)} for r in found]
+        if first_summarised is not None and attempt >= first_summarised:  # the ledger's summaries of its rows
+            found = db.execute(_SUMMARIES, (run_id, attempt, name, width // BUCKET_ITERATIONS))
+        else:
+            found = db.execute(_BUCKETS, (run_id, attempt, name, width))
+        rows += [_bucket(attempt, name, dict(r)) for r in found]
     return rows
+
+
+_BUCKETS = (
+    "SELECT rank, MIN(iteration) AS iteration, AVG(ts) AS ts, AVG(value) AS value, MIN(value) AS low, "
+    "MAX(value) AS high, COUNT(*) AS count, MIN(ts) AS first_ts, MAX(ts) AS last_ts, MAX(iteration) AS last, "
+    f"SUM(typeof(iteration) != 'integer' OR (nonfinite IS NOT NULL AND nonfinite NOT IN "
+    f"({', '.join(repr(n) for n in NONFINITE)}))) AS bad FROM metrics WHERE {_FINITE} GROUP BY rank, iteration / ? "
+    "ORDER BY 3, 1")
+
+
+_BUCKET_TESTS = " AND ".join(value_test(column, kinds, RANGES["metric_buckets"].get(column))
+                             for column, kinds in COLUMNS["metric_buckets"].items())
+# The same buckets from the ledger's summaries (ledger_buckets.py): a bucket of `width` iterations is the
+# width // BUCKET_ITERATIONS summaries whose bucket // that is the same; every summary row is checked (`bad`).
+_SUMMARIES = (
+    "SELECT rank, MIN(first_iteration) AS iteration, SUM(sum_ts) / SUM(count) AS ts, "
+    "SUM(sum_value) / SUM(count) AS value, MIN(low) AS low, MAX(high) AS high, SUM(count) AS count, "
+    "MIN(first_ts) AS first_ts, MAX(last_ts) AS last_ts, MAX(last_iteration) AS last, "
+    f"SUM(NOT ({_BUCKET_TESTS})) AS bad FROM metric_buckets WHERE run_id = ? AND attempt_id = ? AND name = ? "
+    "GROUP BY rank, bucket / ? ORDER BY 3, 1")
+
+
+def _bucket(attempt: int, name: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A bucket's row, its rows checked by its aggregates (the text or blob that MAX would meet sorts after every
+    number)."""
+    first_ts, last_ts, last, bad = row.pop("first_ts"), row.pop("last_ts"), row.pop("last"), row.pop("bad")
+    for columns in ({"ts": first_ts, "iteration": row["iteration"], "value": row["low"], "rank": row["rank"]},
+                    {"ts": last_ts, "iteration": last, "value": row["high"]}):
+        _check(name, **columns)
+    if bad:
+        raise BadMetric(f"a metric row or bucket ({name[:80]}) holds a value of the wrong type or out of range")
+    return {"attempt_id": attempt, "name": name, **row}
 
 
 @dataclass(frozen=True)
@@ -127,30 +208,44 @@ def rung_facts(db: sqlite3.Connection, run_id: str, attempt_ids: Sequence[int], 
         return RungFacts()
     steps = [r[0] for attempt in attempt_ids for name in names for r in db.execute(
         f"SELECT iteration FROM metrics WHERE {_FINITE} ORDER BY iteration DESC LIMIT 1", (run_id, attempt, name))]
+    for step in steps:
+        _check("?", iteration=step)
     loss = _last_row(db, run_id, attempt_ids, "loss")
     marks = ", ".join("?" * len(attempt_ids))
     peak = db.execute(f"SELECT MAX(value) FROM metrics WHERE run_id = ? AND attempt_id IN ({marks}) AND "
                       "name = 'mem_peak_gib' AND value IS NOT NULL", (run_id, *attempt_ids)).fetchone()[0]
+    _check("mem_peak_gib", value=peak)
     latest = {}
     for name in LATEST:
         last = _last_row(db, run_id, attempt_ids, name)
         if last is not None:
-            latest[name] = [dict(r) for r in db.execute(f"SELECT * FROM metrics WHERE {_FINITE} ORDER BY ts, rank",
-                                                        (run_id, last["attempt_id"], name))]
+            latest[name] = checked(db.execute(f"SELECT * FROM metrics WHERE {_FINITE} ORDER BY ts, rank",
+                                              (run_id, last["attempt_id"], name)))
     return RungFacts(steps=max(steps, default=None), final_loss=loss["value"] if loss else None, peak_mem_gib=peak,
                      latest=latest)
 
 
-def _last_row(db: sqlite3.Connection, run_id: str, attempt_ids: Sequence[int], name: str) -> sqlite3.Row | None:
-    marks = ", ".join("?" * len(attempt_ids))
-    return db.execute(f"SELECT attempt_id, ts, value FROM metrics WHERE run_id = ? AND attempt_id IN ({marks}) AND "
-                      "name = ? AND value IS NOT NULL ORDER BY ts DESC, rank DESC LIMIT 1",
-                      (run_id, *attempt_ids, name)).fetchone()
+def _latest(db: sqlite3.Connection, run_id: str, attempt_ids: Sequence[int], name: str, *, rank_desc: bool
+            ) -> dict[str, Any] | None:
+    """The latest finite row of `name` in (time, rank) order (rank_desc: the last rank at that time, else the
+    first), taken at each attempt's last iteration: two index seeks and that iteration's rows per attempt."""
+    best: dict[str, Any] | None = None
+    order = "ts DESC, rank DESC" if rank_desc else "ts DESC, rank"
+    for attempt in attempt_ids:
+        found = checked(db.execute(
+            f"SELECT * FROM metrics WHERE {_FINITE} AND iteration = (SELECT iteration FROM metrics WHERE {_FINITE} "
+            f"ORDER BY iteration DESC LIMIT 1) ORDER BY {order} LIMIT 1", (run_id, attempt, name) * 2))
+        if found and (best is None or (found[0]["ts"], found[0]["rank"] if rank_desc else -found[0]["rank"])
+                      > (best["ts"], best["rank"] if rank_desc else -best["rank"])):
+            best = found[0]
+    return best
+
+
+def _last_row(db: sqlite3.Connection, run_id: str, attempt_ids: Sequence[int], name: str) -> dict[str, Any] | None:
+    return _latest(db, run_id, attempt_ids, name, rank_desc=True)
 
 
 def latest_attempt(db: sqlite3.Connection, run_id: str, attempt_ids: Sequence[int], name: str) -> int | None:
     """The attempt of the run's latest finite row of `name` (the first rank at that time)."""
-    marks = ", ".join("?" * len(attempt_ids))
-    row = db.execute(f"SELECT attempt_id FROM metrics WHERE run_id = ? AND attempt_id IN ({marks}) AND name = ? AND "
-                     "value IS NOT NULL ORDER BY ts DESC, rank LIMIT 1", (run_id, *attempt_ids, name)).fetchone()
-    return None if row is None else int(row[0])
+    row = _latest(db, run_id, attempt_ids, name, rank_desc=False)
+    return None if row is None else int(row["attempt_id"])

@@ -7,6 +7,7 @@ a CPU run without memory metrics.
 
 from __future__ import annotations
 
+import sqlite3
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from stepdeploy.ledger import Ledger, Stage
+from stepdeploy.ledger_schema import LEDGER_HINT, NotALedger
 from stepdeploy.monitor.parse_workload import LAYER_METRICS, METRIC_NAMES, MTP_LOSS
 from stepdeploy.report import query
 from stepdeploy.report.query import RungFacts
@@ -22,7 +24,7 @@ from stepdeploy.report.query import RungFacts
 # resolved checkpoint interval and its goodput included); anything else (failure, restart, fault injection,
 # monitor breaches) counts as a fault/notice.
 LEDGER_EVENT_KINDS = ("run", "stage", "rung", "attempt", "gate", "warmup", "config", "stop", "schedule", "checkpoint",
-                      "goodput")
+                      "goodput", "launched")
 
 
 # The metrics the plots draw (report/plots*.py): the scalars and the per-layer/per-depth families by prefix.
@@ -62,7 +64,20 @@ class RunData:
 
 
 def read_run(ledger: Ledger, run_id: str) -> RunData:
-    """The run's rows, and its metrics read through report/query.py (a long soak is never loaded row by row)."""
+    """The run's rows, and its metrics read through report/query.py (a long soak is never loaded row by row). A
+    metric row that breaks the schema, or a damaged page met while reading, refuses the ledger (NotALedger), as
+    the check at open does: a large ledger's metric rows are checked as they are read (ledger_schema.py)."""
+    try:
+        return _read_run(ledger, run_id)
+    except query.BadMetric as exc:
+        raise NotALedger(f"{ledger.path}: {exc}; the ledger is corrupt or was not written by stepdeploy",
+                         hint=LEDGER_HINT) from None
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
+        raise NotALedger(f"{ledger.path}: the rollout ledger is damaged ({' '.join(str(exc).split())[:200]})",
+                         hint=LEDGER_HINT) from None
+
+
+def _read_run(ledger: Ledger, run_id: str) -> RunData:
     stages, attempts = ledger.stages(run_id), ledger.attempts(run_id)
     db, ids = ledger.db, [a["id"] for a in attempts]
     db.execute(f"PRAGMA cache_size = -{query.CACHE_KIB}")  # this connection only: an attempt's pages stay cached

@@ -6,6 +6,8 @@ Side effects live here (files, SSH); the decisions (gates) are pure functions in
 from __future__ import annotations
 
 import math
+import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ from stepdeploy.catalog import load_model
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.monitor.parse_workload import LAYER_METRICS
+from stepdeploy.noderecords_stream import FileCursor
 from stepdeploy.remote import registry
 from stepdeploy.remote.executor import EventSink, Executor, RunStatus
 from stepdeploy.render import RenderOptions
@@ -113,18 +116,35 @@ def read_phases(fetched: Path, tally: noderecords.Tally | None = None) -> list[d
     return read_rank0_lines(fetched, "phases.jsonl", noderecords.phase_record, tally)
 
 
+RANK0_CACHE = 8  # files followed at once: a soak's metrics and phases, and those of the attempts before it
+# (absolute path, parse, allow_nan) -> its incremental reader, least recently used first
+RANK0_FILES: OrderedDict[tuple[str, Callable[[Any], Any], bool], FileCursor] = OrderedDict()
+
+
 def read_rank0_lines(fetched: Path, name: str, parse: Callable[[Any], dict[str, Any]],
                      tally: noderecords.Tally | None = None, *, allow_nan: bool = False) -> list[dict[str, Any]]:
     """The valid records of the first out/<name> below `fetched` that has any (a line cut by a kill, or one a
-    node wrote against the schema, is skipped and counted)."""
+    node wrote against the schema, is skipped and counted). Each file is read from where the previous read of it
+    stopped (noderecords_stream.FileCursor; one that shrank or whose bytes changed is read again from its start):
+    `tally` counts the lines read this time, so a collection's node_data event names only the new bad lines. The
+    records are shared between reads: a caller never changes one."""
     tally = noderecords.Tally() if tally is None else tally
     for path in sorted(fetched.glob(f"**/out/{name}")):
-        source = str(path.relative_to(fetched))
-        records = noderecords.parse_lines(list(noderecords.file_lines(path, source, tally)), parse, source, tally,
-                                          allow_nan=allow_nan)
+        records = _cursor(path, str(path.relative_to(fetched)), parse, allow_nan).read(tally)
         if records:
             return records
     return []
+
+
+def _cursor(path: Path, source: str, parse: Callable[[Any], Any], allow_nan: bool) -> FileCursor:
+    key = (os.path.abspath(path), parse, allow_nan)
+    cursor = RANK0_FILES.get(key)
+    if cursor is None or cursor.source != source:
+        cursor = RANK0_FILES[key] = FileCursor(path, source, parse, allow_nan)
+    RANK0_FILES.move_to_end(key)
+    while len(RANK0_FILES) > RANK0_CACHE:
+        RANK0_FILES.popitem(last=False)
+    return cursor
 
 
 def _number(value: Any) -> float | None:

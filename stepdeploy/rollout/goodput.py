@@ -17,9 +17,12 @@ The wall is the soak stage's first start to its end (or now). It splits into:
   than the wall (the nodes' clocks and the controller's disagree) the excess is reported as `overrun_s`.
 
 Times of metrics and phases come from rank 0's node, those of attempts and events from the controller.
-The cost is O(n log n) in the lines, phases, attempts and events (a soak of 20,000 restarts takes well under a
-second): a start's first step is looked up among the lines of its iteration, and every "the last before" and "the
-next after" is a binary search in a list sorted once.
+The cost is linear in the lines and phases and O(r log r) in the restarts' attempts and events (a soak of 20,000
+restarts takes well under a second): a start's first step is looked up among the lines of its iteration (a dict
+built in one pass), and every "the last before" and "the next after" is a binary search in a list sorted once. The
+ledger returns attempts and events in time order, and Python's sort finds such a list's one run in a linear pass;
+the log factor left is one binary search per start and failure, which a moving pointer would remove only by
+assuming an order that node clocks do not guarantee (a skewed clock's time is still looked up correctly).
 """
 
 from __future__ import annotations

@@ -37,6 +37,12 @@ from stepdeploy.rollout.ladder import Rung, target_rung
 from stepdeploy.rollout.service import AttemptService
 from stepdeploy.rollout.stages import needs
 from stepdeploy.rollout.stages.soak_recovery import CLEAR_RANK_FILES, event, recover
+from stepdeploy.rollout.stages.soak_schedule import (  # noqa: F401  (FIXED_SOURCE, MAX_WARMUP: re-exported)
+    FIXED_SOURCE,
+    MAX_WARMUP,
+    SoakSchedule,
+    soak_schedule,
+)
 
 SOAK_ITERATIONS = 10**9  # the soak ends by time, not by count (unless --soak-iterations gives one)
 
@@ -159,7 +165,7 @@ def _soak(r: AttemptService, rung: Rung, local: Path, soak_started: float) -> No
     _check_injections(injections, local, rung.world)
     while True:
         attempts = r.ledger.attempts(r.run_id, "soak")
-        restarts = sum(1 for a in attempts if a["status"] == "failed")
+        restarts = len(spent_restarts(attempts, _launched(r)))
         current = attempts[-1] if attempts and attempts[-1]["status"] == "running" else None
         alive = current is not None and _alive(r, local)
         if current is not None and not alive:  # it died while no controller watched: a failure, restart it
@@ -168,7 +174,8 @@ def _soak(r: AttemptService, rung: Rung, local: Path, soak_started: float) -> No
         if current is None and r.stop_requested():  # between a failure and its restart: launch nothing more
             raise StageStopped("soak: stopped on request" + (" before its restart" if restarts else ""))
         attempt = current["id"] if current else r.ledger.start_attempt(
-            r.run_id, "soak", rung.name, {"local_run": str(local), "rung": rung.as_dict(), "restart": restarts})
+            r.run_id, "soak", rung.name, {"local_run": str(local), "rung": rung.as_dict(), "restart": restarts,
+                                          LAUNCH_MARKED: True})
         if alive and current is not None:
             _event(r, "attempt", f"soak attempt {current['number']} re-attached: its processes outlived the controller")
         with r.finishes(attempt):
@@ -195,6 +202,7 @@ def _one_attempt(r: AttemptService, rung: Rung, local: Path, attempt: int, start
         if not alive:
             needs.verify(r, executor, Manifest.load(local), "soak", rung.name)
             r.launch(executor, local, f"soak/{rung.name}", f"soak attempt {attempt}")
+            _event(r, "launched", f"soak attempt {attempt} launched", {"attempt": attempt})
         status, why = r.follow(executor, "soak", rung, r.config.soak_iterations, deadline, check=watch.check)
         metrics = r.collect(executor, local, attempt, started)
         trained = why == "exited" and status.finished_ok and r.config.soak_iterations is not None
@@ -264,13 +272,28 @@ def _check_limits(r: AttemptService, rung: str, restarts: int, cause: str) -> No
                                                  r.config.soak_max_restarts, f"failed {restarts + 1} times: {cause}")],
                 _declared(r))
         raise StageFailed(f"soak: unrecovered failure after {restarts} restart(s): {cause}")
-    stalled = stalled_restarts([a["detail"].get("failed_at_iteration") for a in r.ledger.attempts(r.run_id, "soak")
-                                if a["status"] == "failed"])
+    stalled = stalled_restarts([a["detail"].get("failed_at_iteration")
+                                for a in spent_restarts(r.ledger.attempts(r.run_id, "soak"), _launched(r))])
     if stalled >= r.config.soak_max_stalled_restarts:
         r.judge("soak", rung, [gates.GateVerdict("progress", False, stalled, r.config.soak_max_stalled_restarts,
                                                  f"{stalled} restart(s) in a row without progress: {cause}")],
                 _declared(r))
         raise StageFailed(f"soak: {stalled} restart(s) in a row made no progress: {cause}")
+
+
+LAUNCH_MARKED = "launch_event"  # an attempt's detail: its launch is recorded as a `launched` event (issue 36)
+
+
+def spent_restarts(attempts: list[dict[str, Any]], launched: set[int]) -> list[dict[str, Any]]:
+    """The failed attempts that spend a restart: those that launched (`launched`: the ids of the `launched`
+    events). One whose launch failed, or whose controller died before it launched, spends none; an attempt of a
+    ledger written before launches were recorded (no LAUNCH_MARKED in its detail) counts when it failed, as then."""
+    return [a for a in attempts if a["status"] == "failed"
+            and (a["id"] in launched or not a["detail"].get(LAUNCH_MARKED))]
+
+
+def _launched(r: AttemptService) -> set[int]:
+    return {a for e in r.ledger.events(r.run_id, kind="launched") if type(a := e["data"].get("attempt")) is int}
 
 
 def stalled_restarts(failed_at: list[int | None]) -> int:
@@ -335,42 +358,6 @@ def _record_goodput(r: AttemptService, local: Path, soak_started: float, ended: 
     end = REAL.time() if ended is None else ended
     figures = goodput.breakdown(soak_started, end, read_metrics(fetched), read_phases(fetched), attempts, events)
     _event(r, "goodput", figures.describe(), figures.to_json())
-
-
-@dataclass(frozen=True)
-class SoakSchedule:
-    """The soak's learning-rate schedule, sized from its expected iterations."""
-
-    step_s: float
-    source: str
-    expected: int
-    warmup: int
-    decay: int
-    startup_s: float = 0.0  # taken off the soak's duration before it is divided into steps
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step_s": self.step_s, "source": self.source, "expected_iterations": self.expected,
-                "warmup_iterations": self.warmup, "decay_iterations": self.decay, "startup_s": round(self.startup_s, 2)}
-
-
-MAX_WARMUP = 2000  # iterations: megatron's usual warm-up for long pre-training runs
-FIXED_SOURCE = "fixed by --soak-iterations"
-
-
-def soak_schedule(duration_s: float, step_s: float, source: str, startup_s: float = 0.0,
-                  iterations: int | None = None) -> SoakSchedule:
-    """Warm-up 5 % of the expected iterations (1 to MAX_WARMUP), then the cosine decay over the rest: the soak trains
-    as a run of its length would. The expected iterations are `iterations` (--soak-iterations: the same on any
-    machine), else what the duration less the start-up (as the warm-up measured it; at most half the duration: the
-    warm-up's start can be a cold one) holds: a 20-minute soak of the dense proxy expected 1,956 iterations without
-    it and counted 1,699 (its two starts took 35 s, the rest went to redone iterations and to saves)."""
-    if iterations is not None:
-        warmup = min(MAX_WARMUP, max(1, iterations // 20))
-        return SoakSchedule(step_s, FIXED_SOURCE, iterations, warmup, max(iterations, warmup + 1))
-    startup = min(max(0.0, startup_s), duration_s / 2)
-    expected = max(2, int((duration_s - startup) / max(step_s, 1e-3)))
-    warmup = min(MAX_WARMUP, max(1, expected // 20))
-    return SoakSchedule(step_s, source, expected, warmup, max(expected, warmup + 1), startup)
 
 
 def _detail(metrics: list[dict[str, Any]], why: str) -> dict[str, Any]:
