@@ -69,6 +69,7 @@ class NodeStatus:
     ranks: tuple[RankStatus, ...] = ()
     detail: str = ""
     bad_records: dict[str, int] = field(default_factory=dict, hash=False)  # file -> records it wrote wrong
+    silent_s: float | None = None  # unreachable: seconds since a poll first found it silent (0: this poll)
 
 
 @dataclass(frozen=True)
