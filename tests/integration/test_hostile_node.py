@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from stepdeploy.ledger import Ledger
+from stepdeploy.remote.node_executor import POLL_DEADLINE_S
 from stepdeploy.remote.ssh import Endpoint
 from stepdeploy.remote.transport import SshChannel
 from stepdeploy.render.manifest import Manifest
@@ -215,3 +216,27 @@ def test_a_planted_controller_lock_link_is_refused_and_its_target_untouched(clus
     assert res.returncode in (1, 2), res.stdout[-3000:] + res.stderr[-3000:]
     assert victim.read_text() == "precious\n"
     assert (run / "controller.lock").is_symlink()
+
+
+def test_a_silent_node_is_detected_while_its_link_is_down_not_when_it_returns(cluster: SimConfig,
+                                                                             tmp_path: Path) -> None:
+    """Issue 36 item 7: node2's link goes down for 45 s (no reset: its packets vanish). A poll used to wait on the
+    silent node's SSH session until the link came back (75 s down blinded the controller for ~87 s); now each poll
+    round ends within POLL_DEADLINE_S, so the loss is detected while the link is still down."""
+    run = tmp_path / "silent"
+    down_s = 45
+    res = stepdeploy_cli("rollout", "run", "-i", str(cluster.inventory), *FAST, "--soak-duration", "60s",
+                         "--heartbeat-timeout", "60s", "--inject", f"link-down:node=last@15s,for={down_s}s",
+                         "--run-dir", str(run), cwd=tmp_path, timeout=600)
+    no_traceback(res)
+    assert res.returncode in (0, 1), res.stdout[-3000:] + res.stderr[-3000:]
+    led = Ledger(run / "ledger.sqlite")
+    assert led.run("silent")["status"] in FINAL
+    assert all(a["status"] in FINAL for a in led.attempts("silent"))
+    events = led.events("silent")
+    fired = [e["data"] for e in events if e["kind"] == "inject" and "spec" in e["data"]]
+    detected = [e["data"] for e in events if e["kind"] == "detected"]
+    assert len(fired) == 1 and detected, [(e["kind"], e["message"]) for e in events]
+    latency = detected[0]["time"] - fired[0]["time"]
+    assert 0 < latency <= POLL_DEADLINE_S + 10 < down_s, f"the silent node was detected after {latency:.1f} s"
+    assert processes_of(cluster, "silent-soak") == {"node1": "", "node2": ""}
