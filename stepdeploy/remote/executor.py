@@ -69,6 +69,7 @@ class NodeStatus:
     ranks: tuple[RankStatus, ...] = ()
     detail: str = ""
     bad_records: dict[str, int] = field(default_factory=dict, hash=False)  # file -> records it wrote wrong
+    silent_s: float | None = None  # unreachable: seconds since a poll first found it silent (0: this poll)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,13 @@ class RunStatus:
     @property
     def ranks(self) -> list[RankStatus]:
         return sorted((r for n in self.nodes for r in n.ranks), key=lambda r: r.rank)
+
+    def lost_nodes(self, after_s: float) -> list[NodeStatus]:
+        """The unreachable nodes that count as lost: silent for `after_s` or more (a shorter silence may be a blip
+        the run rides out), else at once when no node answers or the silence is not measured (silent_s None)."""
+        unreachable = [n for n in self.nodes if n.state == UNREACHABLE]
+        everyone = len(unreachable) == len(self.nodes)
+        return [n for n in unreachable if everyone or n.silent_s is None or n.silent_s >= after_s]
 
     def culprits(self) -> list[str]:
         """Which node/rank brought the run down, first causes before consequences."""

@@ -7,6 +7,10 @@ prepare  uploads the run directory as one tarball, unpacks it beside the target,
 start    `setsid nohup` the node's launch.sh: it leads a session and process group of its own, writes its
          pid file, and outlives the channel's session and the controller. If a node cannot be started, the
          nodes that did start are stopped (never left running alone).
+poll     node_probe.py on every node, each bounded by POLL_TIMEOUT_S (connecting included) and the round by
+         POLL_DEADLINE_S: a node whose link went silent is answered unreachable within seconds (with how long it
+         has been silent) while the other nodes' answers come back, and until a poll reaches it again the
+         commands, logs and follows of the run do not wait on it (answered unreachable at once, not tried).
 stop     SIGTERM to the launch group and to every process carrying the run's STEPDEPLOY_RUN_ID, grace,
          SIGKILL, then list what is left (node_probe.py); a node is ok only when nothing is.
 """
@@ -19,6 +23,7 @@ import hashlib
 import io
 import shlex
 import tarfile
+import time
 from collections.abc import Callable, Iterable
 from importlib import resources
 from pathlib import Path
@@ -43,8 +48,14 @@ T = TypeVar("T")
 PROBE = resources.files("stepdeploy.remote").joinpath("node_probe.py").read_text()
 q = shlex.quote
 DEADLINE_S = 3 * CALL_TIMEOUT_S + 30  # one call on all nodes (an upload is three commands and a transfer)
+POLL_TIMEOUT_S = 10.0  # one node's poll, connecting included (the watchdog in transport.SshChannel ends it)
+POLL_DEADLINE_S = POLL_TIMEOUT_S + 5  # one poll round on all nodes: a silent node never holds it longer
 FOLLOW_CHUNK_BYTES = 4 * 1024 * 1024  # of one node's log per follow call (the rest comes with the next)
 MAX_LOG_LINE_BYTES = 64 * 1024  # a longer line is emitted in pieces of this size
+
+
+class ProbeFailed(RuntimeError):
+    """The node answered, but its probe exited non-zero."""
 
 
 def _error(exc: BaseException) -> str:
@@ -61,6 +72,7 @@ class NodeExecutor:
     def __init__(self, run_id: str, run_dir: str, targets: Iterable[Target]) -> None:
         self.run_id, self.run_dir = run_id, run_dir
         self.targets = list(targets)
+        self._silent_since: dict[str, float] = {}  # node -> when a poll first found it silent (monotonic)
 
     # -- plumbing -------------------------------------------------------------------------------------------
     def _each(self, work: Callable[[Target], T], failed: Callable[[Target, BaseException], T],
@@ -77,6 +89,18 @@ class NodeExecutor:
                 answer = failed(target, answer)
             results.append(answer)
         return results
+
+    def _heard(self, target: Target) -> Target:
+        self._silent_since.pop(target.name, None)
+        return target
+
+    def _reachable(self, targets: list[Target] | None) -> list[Target]:
+        """The targets a poll has not found silent since it last reached them."""
+        return [t for t in (self.targets if targets is None else targets) if t.name not in self._silent_since]
+
+    def _silent(self, target: Target) -> str:
+        since = self._silent_since[target.name]
+        return f"unreachable: silent for {time.monotonic() - since:.0f} s (no answer to the last poll); not tried"
 
     def _sh(self, target: Target, command: str, timeout: float | None = CALL_TIMEOUT_S) -> Ran:
         ran = target.channel.run(command, timeout)
@@ -185,22 +209,41 @@ class NodeExecutor:
         # -I: nothing from the working directory, PYTHONPATH or user site-packages is imported as root
         res = self._sh(target, f"{q(self.python)} -I -c {q(PROBE)} {args}", timeout=timeout)
         if not res.ok:
-            raise RuntimeError(f"probe failed: {res.stderr.strip()[-300:]}")
+            raise ProbeFailed(f"probe failed: {res.stderr.strip()[-300:]}")
         return res.stdout
 
     def poll(self) -> RunStatus:
+        """Every node's status; one that does not answer within POLL_TIMEOUT_S is UNREACHABLE, with `silent_s`
+        (how long it has not answered a poll) and its detail saying so."""
         def one(target: Target) -> NodeStatus:
-            return poll_answer.node_status(target.name, self._probe(target, "poll"))
+            try:
+                answer = self._probe(target, "poll", timeout=POLL_TIMEOUT_S)
+            except ProbeFailed:  # the node answered (its python3 did not): not silent
+                self._heard(target)
+                raise
+            self._heard(target)
+            return poll_answer.node_status(target.name, answer)
 
-        return RunStatus(tuple(self._each(one, lambda t, e: NodeStatus(t.name, UNREACHABLE, detail=_error(e)))))
+        def failed(target: Target, exc: BaseException) -> NodeStatus:
+            if isinstance(exc, ProbeFailed):
+                return NodeStatus(target.name, UNREACHABLE, detail=_error(exc))
+            since = self._silent_since.setdefault(target.name, time.monotonic())
+            silent = round(time.monotonic() - since, 1)
+            return NodeStatus(target.name, UNREACHABLE, detail=f"{_error(exc)} (silent for {silent:.0f} s)",
+                              silent_s=silent)
+
+        return RunStatus(tuple(self._each(one, failed, deadline_s=POLL_DEADLINE_S)))
 
     def logs(self, tail: int = 50) -> dict[str, list[str]]:
         def one(target: Target) -> list[str]:
             res = self._sh(target, f"tail -n {int(tail)} -- {q(self.run_dir)}/{q(target.log)}")
             return [f"{target.name} | {line}" for line in res.stdout.splitlines()]
 
-        answers = self._each(one, lambda t, e: [f"{t.name} | (unreachable: {_error(e)})"])
-        return {t.name: lines for t, lines in zip(self.targets, answers, strict=True)}
+        tried = self._reachable(None)
+        answers = self._each(one, lambda t, e: [f"{t.name} | (unreachable: {_error(e)})"], tried)
+        found = {t.name: lines for t, lines in zip(tried, answers, strict=True)}
+        return {t.name: found[t.name] if t.name in found else [f"{t.name} | ({self._silent(t)})"]
+                for t in self.targets}
 
     def follow(self, emit: Callable[[str], None], cursor: LogCursor) -> list[NodeResult]:
         """Emit every complete log line added since `cursor`, prefixed with the node's name; call repeatedly.
@@ -220,7 +263,10 @@ class NodeExecutor:
                 emit(f"{target.name} | {line}")
             return NodeResult(target.name, True)
 
-        return self._each(one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
+        tried = self._reachable(None)
+        answers = {r.node: r for r in self._each(
+            one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"), tried)}
+        return [answers.get(t.name) or NodeResult(t.name, False, self._silent(t)) for t in self.targets]
 
     def stop(self, grace_s: float = 10.0, targets: list[Target] | None = None) -> list[StopResult]:
         def one(target: Target) -> StopResult:
@@ -276,8 +322,11 @@ class NodeExecutor:
             res = self._sh(target, f"cd -- {q(self.run_dir)} && {command}")
             return CommandResult(target.name, res.ok, res.rc, res.stdout, res.stderr)
 
-        return self._each(one, lambda t, e: CommandResult(t.name, False, None, stderr=f"unreachable: {_error(e)}"),
-                          targets)
+        chosen = self.targets if targets is None else targets
+        tried = self._reachable(chosen)
+        answers = {r.node: r for r in self._each(
+            one, lambda t, e: CommandResult(t.name, False, None, stderr=f"unreachable: {_error(e)}"), tried)}
+        return [answers.get(t.name) or CommandResult(t.name, False, None, stderr=self._silent(t)) for t in chosen]
 
 
 def _pids(value: object) -> tuple[int, ...]:

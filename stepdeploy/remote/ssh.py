@@ -36,7 +36,11 @@ class Endpoint:
 def connection(ep: Endpoint, *, connect_timeout: int = 10) -> Connection:
     from fabric import Config, Connection
 
-    kwargs: dict = {"look_for_keys": ep.key_file is None, "allow_agent": ep.key_file is None}
+    # Every phase of connecting is bounded, not only the TCP connect: paramiko's defaults wait 15 s for the banner,
+    # 30 s for authentication and an hour for a session to open (transport.SshChannel bounds each operation whole).
+    kwargs: dict = {"look_for_keys": ep.key_file is None, "allow_agent": ep.key_file is None,
+                    "banner_timeout": connect_timeout, "auth_timeout": connect_timeout,
+                    "channel_timeout": connect_timeout}
     if ep.key_file is not None:
         kwargs["key_filename"] = str(ep.key_file)
     # Nothing here is interactive: never forward our stdin (it may be a terminal, a pipe or closed).

@@ -2,7 +2,11 @@
 run commands and move files on a node, and how they do it on every node at once.
 
 A `Channel` is one node: `run` a shell command under a deadline, `put`/`get` a file's bytes, `close`. Two kinds:
-  SshChannel    Fabric over SSH, host keys verified (ssh.py); the connection opens on first use and is kept
+  SshChannel    Fabric over SSH, host keys verified (ssh.py); the connection opens on first use and is kept.
+                Every operation is bounded as a whole, connecting included: a watchdog closes the connection (every
+                hop) when the operation passes its bound, which ends whatever paramiko waits for (TCP connect,
+                banner, key exchange, authentication, opening the session, the command, an SFTP transfer), so a
+                node whose link went silent answers a timeout instead of holding its caller for minutes
   LocalChannel  this machine, no SSH (`--local`, `--executor local`, or ansible_connection=local)
 `channel_for(node)` picks one from the inventory, with the same defaults everywhere (ssh.endpoint_for: the
 inventory's ansible_user, else what ssh itself would use -- ~/.ssh/config's User, else the local user name).
@@ -19,7 +23,9 @@ import contextlib
 import io
 import os
 import signal
+import socket
 import subprocess
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -35,7 +41,8 @@ if TYPE_CHECKING:  # Fabric/paramiko take ~0.5 s to import: loaded when a connec
 T = TypeVar("T")
 Item = TypeVar("Item")
 CALL_TIMEOUT_S = 60.0  # one command on one node, unless the caller says otherwise
-CONNECT_TIMEOUT_S = 10
+CONNECT_TIMEOUT_S = 10  # TCP connect, SSH banner, authentication and opening a session, each
+TRANSFER_TIMEOUT_S = 600.0  # one put or get (fetch's limit is 1 GiB a node: ~1.7 MB/s at least)
 TIMED_OUT_RC = 124  # what coreutils `timeout` answers; a command past its deadline answers it too
 MAX_PARALLEL = 64
 
@@ -64,9 +71,10 @@ class Channel(Protocol):
 
     def run(self, command: str, timeout_s: float | None = CALL_TIMEOUT_S) -> Ran: ...
 
-    def put(self, data: bytes, remote: str) -> None: ...
+    def put(self, data: bytes, remote: str, timeout_s: float = TRANSFER_TIMEOUT_S) -> None: ...
 
-    def get(self, remote: str, limit: int | None = None) -> bytes: ...  # TooLarge past `limit` bytes
+    # TooLarge past `limit` bytes; TimeoutError (SSH) past `timeout_s`
+    def get(self, remote: str, limit: int | None = None, timeout_s: float = TRANSFER_TIMEOUT_S) -> bytes: ...
 
     def close(self) -> None: ...
 
@@ -118,13 +126,15 @@ class LocalChannel:
             raise
         return Ran(proc.returncode, stdout, stderr)
 
-    def put(self, data: bytes, remote: str) -> None:
+    def put(self, data: bytes, remote: str, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        del timeout_s  # a local file: nothing to wait for
         # O_NOFOLLOW: a link planted at the name is refused, never written through; 0600 until the caller says
         fd = os.open(remote, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
 
-    def get(self, remote: str, limit: int | None = None) -> bytes:
+    def get(self, remote: str, limit: int | None = None, timeout_s: float = TRANSFER_TIMEOUT_S) -> bytes:
+        del timeout_s
         fd = os.open(remote, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as handle:
             data = handle.read() if limit is None else handle.read(limit + 1)
@@ -141,52 +151,121 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+class SshTimeout(TimeoutError):
+    """An SSH operation passed its bound (connecting included); the connection was closed to end it."""
+
+
 @dataclass
 class SshChannel:
     """One node over SSH (Fabric, host keys verified); the connection opens on first use, is kept for the
-    calls after, and is dropped after a failure (the next call connects again)."""
+    calls after, and is dropped after a failure (the next call connects again).
+
+    Bounds: a command gets `timeout_s` to run, plus `connect_timeout_s` when it must connect first; a transfer
+    gets its `timeout_s` (plus the same). Past its bound the watchdog closes the connection from another thread:
+    a command answers `Ran(TIMED_OUT_RC, ..., timed_out=True)`, a transfer raises SshTimeout. Every phase of
+    connecting (TCP, banner, authentication, opening a session) is bounded by `connect_timeout_s` as well."""
 
     name: str
     endpoint: Endpoint
     connect_timeout_s: int = CONNECT_TIMEOUT_S
     _conn: Connection | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def where(self) -> str:
         return self.endpoint.host
 
     def _connection(self) -> Connection:
-        if self._conn is None:
-            from stepdeploy.remote.ssh import connection
+        with self._lock:
+            if self._conn is None:
+                from stepdeploy.remote.ssh import connection
 
-            self._conn = connection(self.endpoint, connect_timeout=self.connect_timeout_s)
-        return self._conn
+                self._conn = connection(self.endpoint, connect_timeout=self.connect_timeout_s)
+            return self._conn
+
+    def _bounded(self, op: Callable[[Connection], T], limit_s: float | None, what: str) -> T:
+        """op(connection) under a watchdog: past `limit_s` (plus the connect timeout when not yet connected) the
+        connection is closed, which ends any wait inside paramiko; SshTimeout then. Any failure drops the
+        connection (the next call connects again)."""
+        conn = self._connection()
+        bound = None if limit_s is None else limit_s + (0 if conn.is_connected else self.connect_timeout_s)
+        expired = threading.Event()
+
+        def fire() -> None:
+            expired.set()
+            _abort(conn)
+
+        timer = threading.Timer(bound, fire) if bound is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            return op(conn)
+        except Exception as exc:
+            self._drop(conn)
+            if expired.is_set():
+                raise SshTimeout(f"{what} on {self.endpoint.host}: no answer within {bound:g} s") from None
+            if isinstance(exc, (socket.timeout, TimeoutError)) and not isinstance(exc, SshTimeout):
+                raise SshTimeout(f"{what} on {self.endpoint.host}: {describe(exc)}") from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def run(self, command: str, timeout_s: float | None = CALL_TIMEOUT_S) -> Ran:
         from invoke.exceptions import CommandTimedOut
 
+        def op(conn: Connection) -> Ran:
+            try:
+                res = conn.run(command, hide=True, warn=True, timeout=timeout_s)
+            except CommandTimedOut as exc:  # invoke's own timer closed the session: the connection goes too
+                self._drop(conn)
+                return Ran(TIMED_OUT_RC, exc.result.stdout, f"timed out after {timeout_s:g} s", timed_out=True)
+            return Ran(res.exited, res.stdout, res.stderr)
+
+        # a little past the command's own timeout: invoke's timer, which keeps what the command printed, goes first
         try:
-            res = self._connection().run(command, hide=True, warn=True, timeout=timeout_s)
-        except CommandTimedOut as exc:
-            self.close()
-            return Ran(TIMED_OUT_RC, exc.result.stdout, f"timed out after {timeout_s:g} s", timed_out=True)
-        except Exception:
-            self.close()
-            raise
-        return Ran(res.exited, res.stdout, res.stderr)
+            return self._bounded(op, None if timeout_s is None else timeout_s + 2, "command")
+        except SshTimeout as exc:
+            return Ran(TIMED_OUT_RC, "", str(exc), timed_out=True)
 
-    def put(self, data: bytes, remote: str) -> None:
-        self._connection().put(io.BytesIO(data), remote)
+    def put(self, data: bytes, remote: str, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        self._bounded(lambda conn: conn.put(io.BytesIO(data), remote), timeout_s, f"upload of {remote}")
 
-    def get(self, remote: str, limit: int | None = None) -> bytes:
+    def get(self, remote: str, limit: int | None = None, timeout_s: float = TRANSFER_TIMEOUT_S) -> bytes:
         buffer = _CappedBuffer(remote, limit)
-        self._connection().get(remote, buffer)
+        self._bounded(lambda conn: conn.get(remote, buffer), timeout_s, f"download of {remote}")
         return buffer.getvalue()
 
+    def _drop(self, conn: Connection) -> None:
+        """Forget `conn` (if it is still ours) and close it, without waiting on a silent peer."""
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+        _abort(conn)
+
     def close(self) -> None:
-        conn, self._conn = self._conn, None
+        with self._lock:
+            conn, self._conn = self._conn, None
         if conn is not None:
-            conn.close()
+            _abort(conn)
+
+
+def _abort(conn: Connection) -> None:
+    """Close a connection and every jump connection behind it, from any thread: the SFTP session, then the
+    paramiko client (its transport thread notices within 0.1 s; every channel's waiter is woken). Closing sends
+    at most one message into the socket's buffer, never waits for the peer."""
+    from fabric import Connection
+
+    hop: object = conn
+    while isinstance(hop, Connection):
+        sftp, hop._sftp = hop._sftp, None
+        with contextlib.suppress(Exception):
+            if sftp is not None:
+                sftp.close()
+        with contextlib.suppress(Exception):
+            hop.client.close()
+        hop = hop.gateway
 
 
 # What a run started on this machine keeps of the controller's environment: what an SSH login would give it, and

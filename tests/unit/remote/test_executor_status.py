@@ -25,3 +25,16 @@ def test_unreachable_node_comes_first_and_victims_are_named_when_nothing_else_is
 def test_a_clean_finish_has_no_culprit() -> None:
     status = RunStatus((NodeStatus("n", "exited", 0, (RankStatus(0, "n", 1, "exited", 0, "finished"),)),))
     assert status.finished_ok and status.culprits() == []
+
+
+def test_a_node_silent_for_less_than_the_timeout_is_not_yet_lost() -> None:
+    """Issue 36 item 7: a 20 s blip must not count as a node loss when the heartbeat timeout is longer."""
+    running = NodeStatus("node1", "running", ranks=(RankStatus(0, "node1", 10, "running"),))
+
+    def silent(s: float | None) -> NodeStatus:
+        return NodeStatus("node2", "unreachable", detail="silent", silent_s=s)
+
+    assert RunStatus((running, silent(20.0))).lost_nodes(60.0) == []
+    assert [n.node for n in RunStatus((running, silent(60.0))).lost_nodes(60.0)] == ["node2"]
+    assert [n.node for n in RunStatus((running, silent(None))).lost_nodes(60.0)] == ["node2"]  # not measured
+    assert len(RunStatus((silent(1.0), NodeStatus("node3", "unreachable", silent_s=1.0))).lost_nodes(60.0)) == 2
