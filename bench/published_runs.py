@@ -5,8 +5,10 @@
   TransformerEngine's attention, the distributed fused Adam) with a kernel profile for a TransformerEngine-class
   stack (TE_CLASS below: an assumption, stated, not fitted to this table);
 - **this engine**: what `stepdeploy plan` picks for the megatron engine on the same cluster, sequence and global
-  batch (its calibrated H200 efficiencies, no SP, no CP: stepdeploy/data/engines.yaml), and how the engine judges
-  the published layout itself.
+  batch (its calibrated H200 efficiencies; megatron-core's sequence parallelism on wherever TP > 1 and the sequence
+  divides by TP, plan.search.settle_sequence_parallel; no CP: stepdeploy/data/engines.yaml), and how the engine
+  judges the published layout itself. The engine's SP is verified on CPU only, not measured on GPUs: the planner
+  counts its activation savings, but no efficiency of the engine under SP is calibrated.
 
     python bench/published_runs.py [--rows llama3.1-70b@64,...] [--json out.json]
 
@@ -169,14 +171,15 @@ def te_class_verdict(spec: ModelSpec, run: Run, cluster: ClusterShape, hardware:
 
 
 def missing_features(run: Run, best: Verdict | None) -> str:
-    """Why this engine is slower: what the published layout uses that the engine lacks, and what it costs."""
+    """Why this engine is slower: what the published layout uses that the engine lacks, and what it costs. (Not
+    sequence parallelism: the engine runs megatron-core's, and the planner turns it on as NeMo does.)"""
     why = ["local-spec kernels (no TE fusions)"]
-    if run.tp > 1:
-        why.append("no SP (TP activations unsharded)")
     if run.cp > 1:
         why.append("no CP (TE attention)")
     if best is not None and best.layout.recompute == "full":
         why.append("so full recompute")
+    if best is not None and best.layout.optimizer_cpu_offload:
+        why.append("so optimizer offload")
     if run.ep > 1:
         why.append("torch grouped_mm experts")
     return "; ".join(why)
@@ -211,7 +214,8 @@ def evaluate(run: Run, hardware: Hardware) -> dict[str, Any]:
 
 def _layout_text(verdict: Verdict) -> str:
     lay = verdict.layout
-    return f"{lay.short()} mbs={lay.mbs} {lay.recompute}" + (" offload" if lay.optimizer_cpu_offload else "")
+    sp = " sp" if lay.sp else ""
+    return f"{lay.short()}{sp} mbs={lay.mbs} {lay.recompute}" + (" offload" if lay.optimizer_cpu_offload else "")
 
 
 def _memory_verdict(row: dict[str, Any]) -> str:
