@@ -5,8 +5,10 @@
   TransformerEngine's attention, the distributed fused Adam) with a kernel profile for a TransformerEngine-class
   stack (TE_CLASS below: an assumption, stated, not fitted to this table);
 - **this engine**: what `stepdeploy plan` picks for the megatron engine on the same cluster, sequence and global
-  batch (its calibrated H200 efficiencies, no SP, no CP: stepdeploy/data/engines.yaml), and how the engine judges
-  the published layout itself.
+  batch (its calibrated H200 efficiencies; megatron-core's sequence parallelism on wherever TP > 1 and the sequence
+  divides by TP, plan.search.settle_sequence_parallel; no CP: stepdeploy/data/engines.yaml), and how the engine
+  judges the published layout itself. The engine's SP is verified on CPU only, not measured on GPUs: the planner
+  counts its activation savings, but no efficiency of the engine under SP is calibrated.
 
     python bench/published_runs.py [--rows llama3.1-70b@64,...] [--json out.json]
 
@@ -169,14 +171,15 @@ def te_class_verdict(spec: ModelSpec, run: Run, cluster: ClusterShape, hardware:
 
 
 def missing_features(run: Run, best: Verdict | None) -> str:
-    """Why this engine is slower: what the published layout uses that the engine lacks, and what it costs."""
+    """Why this engine is slower: what the published layout uses that the engine lacks, and what it costs. (Not
+    sequence parallelism: the engine runs megatron-core's, and the planner turns it on as NeMo does.)"""
     why = ["local-spec kernels (no TE fusions)"]
-    if run.tp > 1:
-        why.append("no SP (TP activations unsharded)")
     if run.cp > 1:
         why.append("no CP (TE attention)")
     if best is not None and best.layout.recompute == "full":
         why.append("so full recompute")
+    if best is not None and best.layout.optimizer_cpu_offload:
+        why.append("so optimizer offload")
     if run.ep > 1:
         why.append("torch grouped_mm experts")
     return "; ".join(why)
@@ -205,13 +208,16 @@ def evaluate(run: Run, hardware: Hardware) -> dict[str, Any]:
         "engine_tokens_per_gpu": ours, "engine_ratio": ours / published if ours else None,
         "engine_layout": _layout_text(best) if best else "nothing fits",
         "engine_on_published_layout": on_engine.reason(),
+        "engine_on_published_tokens_per_gpu": (on_engine.time.tokens_per_second / run.gpus
+                                               if on_engine.fits and on_engine.time else None),
         "why": missing_features(run, best),
     }
 
 
 def _layout_text(verdict: Verdict) -> str:
     lay = verdict.layout
-    return f"{lay.short()} mbs={lay.mbs} {lay.recompute}" + (" offload" if lay.optimizer_cpu_offload else "")
+    sp = " sp" if lay.sp else ""
+    return f"{lay.short()}{sp} mbs={lay.mbs} {lay.recompute}" + (" offload" if lay.optimizer_cpu_offload else "")
 
 
 def _memory_verdict(row: dict[str, Any]) -> str:
@@ -220,6 +226,13 @@ def _memory_verdict(row: dict[str, Any]) -> str:
     if row["te_class_memory_gib"] <= row["capacity_gib"]:
         return f"over the {row['budget_gib']:.1f} GiB budget, within the GPU's {row['capacity_gib']:.1f}"
     return f"over the GPU's {row['capacity_gib']:.1f}"
+
+
+def _on_published(row: dict[str, Any]) -> str:
+    """The engine's own prediction for the published layout, where it runs and fits: the search enumerates VPP up
+    to 5, so a published VP7-12 layout can beat the search's first layout."""
+    value = row["engine_on_published_tokens_per_gpu"]
+    return "" if value is None else f"; published layout: {value:,.0f}"
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -236,7 +249,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['run']} | {row['layout']} | {row['published_tokens_per_gpu']:,.0f} | "
             f"{_num(row['te_class_tokens_per_gpu'], ',.0f')} | {_num(row['te_class_ratio'], '.2f')} | {memory} | "
-            f"{_num(row['engine_tokens_per_gpu'], ',.0f')} ({row['engine_layout']}) | "
+            f"{_num(row['engine_tokens_per_gpu'], ',.0f')} ({row['engine_layout']}){_on_published(row)} | "
             f"{_num(row['engine_ratio'], '.2f')} | {row['why']} |")
     return "\n".join(lines)
 
