@@ -276,17 +276,19 @@ def _in(value: object, low: float, high: float, integral: bool) -> bool:
 _FLOAT_MAX = 1.7976931348623157e308
 
 
+_METRIC_TESTS = {"run_id": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
+                 "name": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
+                 "attempt_id": lambda v: type(v) is int, "ts": lambda v: _in(v, 0, TIME_MAX, False),
+                 "rank": lambda v: _in(v, 0, RANK_MAX, True), "iteration": lambda v: _in(v, 0, ITERATION_MAX, True),
+                 "value": lambda v: v is None or _in(v, -_FLOAT_MAX, _FLOAT_MAX, False),
+                 "nonfinite": lambda v: v is None or v in NONFINITE}
+
+
 def check_metric_row(row: dict[str, object]) -> str | None:
     """What is wrong with one metric row as read (any subset of its columns), or None: the checks that
     check_ledger's SQL makes at open (COLUMNS and RANGES of table metrics)."""
-    tests = {"run_id": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
-             "name": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
-             "attempt_id": lambda v: type(v) is int, "ts": lambda v: _in(v, 0, TIME_MAX, False),
-             "rank": lambda v: _in(v, 0, RANK_MAX, True), "iteration": lambda v: _in(v, 0, ITERATION_MAX, True),
-             "value": lambda v: v is None or _in(v, -_FLOAT_MAX, _FLOAT_MAX, False),
-             "nonfinite": lambda v: v is None or v in NONFINITE}
     for column, value in row.items():
-        test = tests.get(column)
+        test = _METRIC_TESTS.get(column)
         if test is not None and not test(value):
             return (f"a metric row ({str(row.get('name', '?'))[:80]}) holds a value of the wrong type or out of "
                     f"range in column {column}")

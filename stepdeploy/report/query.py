@@ -29,13 +29,11 @@ from typing import Any
 from stepdeploy.ledger_buckets import summarised
 from stepdeploy.ledger_schema import (
     BUCKET_ITERATIONS,
-    COLUMNS,
     NONFINITE,
-    RANGES,
     buckets_from,
     check_metric_row,
-    value_test,
 )
+from stepdeploy.noderecords import ITERATION_MAX
 
 MAX_POINTS = 2000  # steps per plotted series before it is bucketed
 CACHE_KIB = 65536  # the report's page cache: a soak attempt's rows read once per series, not once per row
@@ -164,15 +162,21 @@ _BUCKETS = (
     "ORDER BY 3, 1")
 
 
-_BUCKET_TESTS = " AND ".join(value_test(column, kinds, RANGES["metric_buckets"].get(column))
-                             for column, kinds in COLUMNS["metric_buckets"].items())
+# Each summary row as read: its columns' types, and the ranges no aggregate below carries (_bucket checks the lowest
+# and highest time, iteration and value of each bucket; a sum out of range makes its mean out of range).
+_INTEGERS = ("rank", "bucket", "count", "first_iteration", "last_iteration")
+_REALS = ("sum_ts", "first_ts", "last_ts", "sum_value", "low", "high")
+_SUMMARY_BAD = (f"{' || '.join(f'typeof({c})' for c in _INTEGERS)} != '{'integer' * len(_INTEGERS)}' OR "
+                + " OR ".join(f"typeof({c}) NOT IN ('real', 'integer')" for c in _REALS)
+                + f" OR count < 1 OR bucket NOT BETWEEN 0 AND {ITERATION_MAX} OR last_iteration < first_iteration OR "
+                  "last_ts < first_ts OR sum_ts < 0 OR typeof(run_id) != 'text' OR typeof(name) != 'text'")
 # The same buckets from the ledger's summaries (ledger_buckets.py): a bucket of `width` iterations is the
 # width // BUCKET_ITERATIONS summaries whose bucket // that is the same; every summary row is checked (`bad`).
 _SUMMARIES = (
     "SELECT rank, MIN(first_iteration) AS iteration, SUM(sum_ts) / SUM(count) AS ts, "
     "SUM(sum_value) / SUM(count) AS value, MIN(low) AS low, MAX(high) AS high, SUM(count) AS count, "
     "MIN(first_ts) AS first_ts, MAX(last_ts) AS last_ts, MAX(last_iteration) AS last, "
-    f"SUM(NOT ({_BUCKET_TESTS})) AS bad FROM metric_buckets WHERE run_id = ? AND attempt_id = ? AND name = ? "
+    f"SUM({_SUMMARY_BAD}) AS bad FROM metric_buckets WHERE run_id = ? AND attempt_id = ? AND name = ? "
     "GROUP BY rank, bucket / ? ORDER BY 3, 1")
 
 
