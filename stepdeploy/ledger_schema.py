@@ -287,7 +287,17 @@ _METRIC_TESTS = {"run_id": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS
 def check_metric_row(row: dict[str, object]) -> str | None:
     """What is wrong with one metric row as read (any subset of its columns), or None: the checks that
     check_ledger's SQL makes at open (COLUMNS and RANGES of table metrics)."""
-    for column, value in row.items():
+    if row.keys() == _METRIC_TESTS.keys():  # a whole row (what the readers read): the same tests, inline
+        run_id, name, attempt, ts, rank, iteration, value, nonfinite = (
+            row["run_id"], row["name"], row["attempt_id"], row["ts"], row["rank"], row["iteration"], row["value"],
+            row["nonfinite"])
+        if (type(run_id) is str and len(run_id) <= MAX_TEXT_CHARS and type(name) is str
+                and len(name) <= MAX_TEXT_CHARS and type(attempt) is int and type(ts) in (int, float)
+                and 0 <= ts <= TIME_MAX and type(rank) is int and 0 <= rank <= RANK_MAX and type(iteration) is int
+                and 0 <= iteration <= ITERATION_MAX and (nonfinite is None or nonfinite in NONFINITE)
+                and (value is None or (type(value) in (int, float) and -_FLOAT_MAX <= value <= _FLOAT_MAX))):
+            return None
+    for column, value in row.items():  # which column is wrong (or a partial row)
         test = _METRIC_TESTS.get(column)
         if test is not None and not test(value):
             return (f"a metric row ({str(row.get('name', '?'))[:80]}) holds a value of the wrong type or out of "

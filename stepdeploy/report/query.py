@@ -95,24 +95,26 @@ class Extent:
     last: int
 
 
+_ENDS = ("SELECT (SELECT iteration FROM metrics WHERE attempt_id = ?1 AND name = ?2 ORDER BY iteration LIMIT 1), "
+         "(SELECT iteration FROM metrics WHERE attempt_id = ?1 AND name = ?2 ORDER BY iteration DESC LIMIT 1)")
+
+
 def extents(db: sqlite3.Connection, name: str, attempt_ids: Sequence[int], limit: int = MAX_POINTS
             ) -> dict[int, Extent]:
     """Each attempt's extent of `name` from the index alone; steps are counted up to `limit` + 1 in all (enough to
     tell a series that fits from one that does not, without walking a long one)."""
     found, left = {}, limit + 1
     for attempt in attempt_ids:
-        first = db.execute("SELECT iteration FROM metrics WHERE attempt_id = ? AND name = ? ORDER BY iteration "
-                           "LIMIT 1", (attempt, name)).fetchone()
+        first, last = db.execute(_ENDS, (attempt, name)).fetchone()
         if first is None:
             continue
-        last = db.execute("SELECT iteration FROM metrics WHERE attempt_id = ? AND name = ? ORDER BY iteration DESC "
-                          "LIMIT 1", (attempt, name)).fetchone()
-        _check(name, iteration=first[0])
-        _check(name, iteration=last[0])
-        steps = db.execute("SELECT COUNT(*) FROM (SELECT DISTINCT iteration FROM metrics WHERE attempt_id = ? AND "
-                           "name = ? LIMIT ?)", (attempt, name, max(left, 0))).fetchone()[0]
+        _check(name, iteration=first)
+        _check(name, iteration=last)
+        steps = 0 if left <= 0 else db.execute(
+            "SELECT COUNT(*) FROM (SELECT DISTINCT iteration FROM metrics WHERE attempt_id = ? AND name = ? LIMIT ?)",
+            (attempt, name, left)).fetchone()[0]
         left -= steps
-        found[attempt] = Extent(steps, first[0], last[0])
+        found[attempt] = Extent(steps, first, last)
     return found
 
 
