@@ -13,7 +13,9 @@ million, and checking each at every open took 25 s (its `PRAGMA quick_check` 5 s
 other table checked whole (rows and pages), its metrics' attempts checked against the attempts it holds (from the
 index), and each metric row checked by the query that reads it (`check_metric_row`; report/query.py's aggregates
 carry the same checks over the rows they aggregate): a row of the wrong type or out of range that a reader meets
-refuses the ledger as the check at open does, and a damaged page it meets does too (report/summary.py).
+refuses the ledger as the check at open does, and a damaged page it meets does too (report/summary.py). The same
+holds for the metric summaries (table metric_buckets, ledger_buckets.py; optional: a ledger written before them has
+none, and meta BUCKETS_FROM comes with the table, never without).
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ iteration)` one attempt and one metric at a time.
   bucketed by iteration ranges (per attempt and rank, at most about MAX_POINTS buckets in all), each bucket one row
   whose `value` is the mean, with `low` and `high` its true minimum and maximum (the plot's envelope, so no spike
   is lost). Per-layer series (`moe_load/<layer>`, ...) above MAX_POINTS are sampled instead: the rows at every
-  `width`-th iteration (context lines; their summary series, e.g. `moe_load_max`, keeps the envelope).
+  `width`-th iteration (context lines; their summary series, e.g. `moe_load_max`, keeps the envelope). A width
+  above BUCKET_ITERATIONS is a multiple of it, and an attempt the ledger summarises (ledger_buckets.py, from meta
+  BUCKETS_FROM on) has its buckets read from table metric_buckets: O(buckets) rows, the same buckets, counts and
+  min..max band as the rows give, the means to float rounding. A ledger without the table is read row by row.
 - `rung_facts`: the figures the summary needs per rung, exact whatever the run's length.
 
 Every metric row read is checked against the ledger's schema as it is read (ledger_schema.check_metric_row; a
