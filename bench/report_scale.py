@@ -1,6 +1,7 @@
 """`stepdeploy report` of a 72-hour soak (issue 36 item 3): a ledger written through stepdeploy's own Ledger API with
 what such a soak records, then `report RUN` and `report RUN --html FILE` timed in a subprocess each, with the
-peak RSS of each (os.wait4's rusage of that child: what resource.getrusage(RUSAGE_CHILDREN) reports, per child).
+CPU time and peak RSS of each (os.wait4's rusage of that child: what resource.getrusage(RUSAGE_CHILDREN)
+reports, per child).
 
 The run `soak72h`: a warmup (50 iterations) and one scale rung (50), then a soak of --iterations iterations over
 72 hours in --restarts + 1 attempts (each restart resumes from the last checkpoint, every 500 iterations, and
@@ -168,8 +169,9 @@ def build(run_dir: Path, args: argparse.Namespace) -> None:
         led.close()
 
 
-def timed(command: list[str]) -> tuple[float, float, int, str]:
-    """(wall s, peak RSS MiB, exit code, stderr tail) of one child (its stdout discarded)."""
+def timed(command: list[str]) -> tuple[float, float, float, int, str]:
+    """(wall s, CPU s, peak RSS MiB, exit code, stderr tail) of one child (its stdout discarded). The CPU time (user
+    + system) varies less than the wall time on a shared machine."""
     with tempfile.TemporaryFile() as errors:
         began = time.perf_counter()
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, cwd=ROOT)
@@ -178,7 +180,7 @@ def timed(command: list[str]) -> tuple[float, float, int, str]:
         child.returncode = os.waitstatus_to_exitcode(status)
         errors.seek(0)
         tail = errors.read().decode(errors="replace")[-600:]
-    return wall, usage.ru_maxrss / 1024, child.returncode, tail
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, child.returncode, tail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         html = args.dir / "report.html"
         for name, command in (("terminal", cli), ("html", [*cli, "--html", str(html)])):
             if args.only in (None, name):
-                wall, rss, code, err = timed(command)
-                print(f"report {name:8s}: {wall:7.2f} s  peak RSS {rss:8.1f} MiB  exit {code}", flush=True)
+                load = os.getloadavg()[0]
+                wall, cpu, rss, code, err = timed(command)
+                print(f"report {name:8s}: {wall:7.2f} s  CPU {cpu:7.2f} s  peak RSS {rss:8.1f} MiB  exit {code}  "
+                      f"(load average {load:.1f} before)", flush=True)
                 if code != 0:
                     print(err, file=sys.stderr)
     finally:

@@ -13,7 +13,9 @@ million, and checking each at every open took 25 s (its `PRAGMA quick_check` 5 s
 other table checked whole (rows and pages), its metrics' attempts checked against the attempts it holds (from the
 index), and each metric row checked by the query that reads it (`check_metric_row`; report/query.py's aggregates
 carry the same checks over the rows they aggregate): a row of the wrong type or out of range that a reader meets
-refuses the ledger as the check at open does, and a damaged page it meets does too (report/summary.py).
+refuses the ledger as the check at open does, and a damaged page it meets does too (report/summary.py). The same
+holds for the metric summaries (table metric_buckets, ledger_buckets.py; optional: a ledger written before them has
+none, and meta BUCKETS_FROM comes with the table, never without).
 """
 
 from __future__ import annotations
@@ -276,17 +278,29 @@ def _in(value: object, low: float, high: float, integral: bool) -> bool:
 _FLOAT_MAX = 1.7976931348623157e308
 
 
+_METRIC_TESTS = {"run_id": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
+                 "name": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
+                 "attempt_id": lambda v: type(v) is int, "ts": lambda v: _in(v, 0, TIME_MAX, False),
+                 "rank": lambda v: _in(v, 0, RANK_MAX, True), "iteration": lambda v: _in(v, 0, ITERATION_MAX, True),
+                 "value": lambda v: v is None or _in(v, -_FLOAT_MAX, _FLOAT_MAX, False),
+                 "nonfinite": lambda v: v is None or v in NONFINITE}
+
+
 def check_metric_row(row: dict[str, object]) -> str | None:
     """What is wrong with one metric row as read (any subset of its columns), or None: the checks that
     check_ledger's SQL makes at open (COLUMNS and RANGES of table metrics)."""
-    tests = {"run_id": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
-             "name": lambda v: type(v) is str and len(v) <= MAX_TEXT_CHARS,
-             "attempt_id": lambda v: type(v) is int, "ts": lambda v: _in(v, 0, TIME_MAX, False),
-             "rank": lambda v: _in(v, 0, RANK_MAX, True), "iteration": lambda v: _in(v, 0, ITERATION_MAX, True),
-             "value": lambda v: v is None or _in(v, -_FLOAT_MAX, _FLOAT_MAX, False),
-             "nonfinite": lambda v: v is None or v in NONFINITE}
-    for column, value in row.items():
-        test = tests.get(column)
+    if row.keys() == _METRIC_TESTS.keys():  # a whole row (what the readers read): the same tests, inline
+        run_id, name, attempt, ts, rank, iteration, value, nonfinite = (
+            row["run_id"], row["name"], row["attempt_id"], row["ts"], row["rank"], row["iteration"], row["value"],
+            row["nonfinite"])
+        if (type(run_id) is str and len(run_id) <= MAX_TEXT_CHARS and type(name) is str
+                and len(name) <= MAX_TEXT_CHARS and type(attempt) is int and type(ts) in (int, float)
+                and 0 <= ts <= TIME_MAX and type(rank) is int and 0 <= rank <= RANK_MAX and type(iteration) is int
+                and 0 <= iteration <= ITERATION_MAX and (nonfinite is None or nonfinite in NONFINITE)
+                and (value is None or (type(value) in (int, float) and -_FLOAT_MAX <= value <= _FLOAT_MAX))):
+            return None
+    for column, value in row.items():  # which column is wrong (or a partial row)
+        test = _METRIC_TESTS.get(column)
         if test is not None and not test(value):
             return (f"a metric row ({str(row.get('name', '?'))[:80]}) holds a value of the wrong type or out of "
                     f"range in column {column}")

@@ -6,7 +6,10 @@ iteration)` one attempt and one metric at a time.
   bucketed by iteration ranges (per attempt and rank, at most about MAX_POINTS buckets in all), each bucket one row
   whose `value` is the mean, with `low` and `high` its true minimum and maximum (the plot's envelope, so no spike
   is lost). Per-layer series (`moe_load/<layer>`, ...) above MAX_POINTS are sampled instead: the rows at every
-  `width`-th iteration (context lines; their summary series, e.g. `moe_load_max`, keeps the envelope).
+  `width`-th iteration (context lines; their summary series, e.g. `moe_load_max`, keeps the envelope). A width
+  above BUCKET_ITERATIONS is a multiple of it, and an attempt the ledger summarises (ledger_buckets.py, from meta
+  BUCKETS_FROM on) has its buckets read from table metric_buckets: O(buckets) rows, the same buckets, counts and
+  min..max band as the rows give, the means to float rounding. A ledger without the table is read row by row.
 - `rung_facts`: the figures the summary needs per rung, exact whatever the run's length.
 
 Every metric row read is checked against the ledger's schema as it is read (ledger_schema.check_metric_row; a
@@ -29,13 +32,11 @@ from typing import Any
 from stepdeploy.ledger_buckets import summarised
 from stepdeploy.ledger_schema import (
     BUCKET_ITERATIONS,
-    COLUMNS,
     NONFINITE,
-    RANGES,
     buckets_from,
     check_metric_row,
-    value_test,
 )
+from stepdeploy.noderecords import ITERATION_MAX
 
 MAX_POINTS = 2000  # steps per plotted series before it is bucketed
 CACHE_KIB = 65536  # the report's page cache: a soak attempt's rows read once per series, not once per row
@@ -97,24 +98,26 @@ class Extent:
     last: int
 
 
+_ENDS = ("SELECT (SELECT iteration FROM metrics WHERE attempt_id = ?1 AND name = ?2 ORDER BY iteration LIMIT 1), "
+         "(SELECT iteration FROM metrics WHERE attempt_id = ?1 AND name = ?2 ORDER BY iteration DESC LIMIT 1)")
+
+
 def extents(db: sqlite3.Connection, name: str, attempt_ids: Sequence[int], limit: int = MAX_POINTS
             ) -> dict[int, Extent]:
     """Each attempt's extent of `name` from the index alone; steps are counted up to `limit` + 1 in all (enough to
     tell a series that fits from one that does not, without walking a long one)."""
     found, left = {}, limit + 1
     for attempt in attempt_ids:
-        first = db.execute("SELECT iteration FROM metrics WHERE attempt_id = ? AND name = ? ORDER BY iteration "
-                           "LIMIT 1", (attempt, name)).fetchone()
+        first, last = db.execute(_ENDS, (attempt, name)).fetchone()
         if first is None:
             continue
-        last = db.execute("SELECT iteration FROM metrics WHERE attempt_id = ? AND name = ? ORDER BY iteration DESC "
-                          "LIMIT 1", (attempt, name)).fetchone()
-        _check(name, iteration=first[0])
-        _check(name, iteration=last[0])
-        steps = db.execute("SELECT COUNT(*) FROM (SELECT DISTINCT iteration FROM metrics WHERE attempt_id = ? AND "
-                           "name = ? LIMIT ?)", (attempt, name, max(left, 0))).fetchone()[0]
+        _check(name, iteration=first)
+        _check(name, iteration=last)
+        steps = 0 if left <= 0 else db.execute(
+            "SELECT COUNT(*) FROM (SELECT DISTINCT iteration FROM metrics WHERE attempt_id = ? AND name = ? LIMIT ?)",
+            (attempt, name, left)).fetchone()[0]
         left -= steps
-        found[attempt] = Extent(steps, first[0], last[0])
+        found[attempt] = Extent(steps, first, last)
     return found
 
 
@@ -164,15 +167,21 @@ _BUCKETS = (
     "ORDER BY 3, 1")
 
 
-_BUCKET_TESTS = " AND ".join(value_test(column, kinds, RANGES["metric_buckets"].get(column))
-                             for column, kinds in COLUMNS["metric_buckets"].items())
+# Each summary row as read: its columns' types, and the ranges no aggregate below carries (_bucket checks the lowest
+# and highest time, iteration and value of each bucket; a sum out of range makes its mean out of range).
+_INTEGERS = ("rank", "bucket", "count", "first_iteration", "last_iteration")
+_REALS = ("sum_ts", "first_ts", "last_ts", "sum_value", "low", "high")
+_SUMMARY_BAD = (f"{' || '.join(f'typeof({c})' for c in _INTEGERS)} != '{'integer' * len(_INTEGERS)}' OR "
+                + " OR ".join(f"typeof({c}) NOT IN ('real', 'integer')" for c in _REALS)
+                + f" OR count < 1 OR bucket NOT BETWEEN 0 AND {ITERATION_MAX} OR last_iteration < first_iteration OR "
+                  "last_ts < first_ts OR sum_ts < 0 OR typeof(run_id) != 'text' OR typeof(name) != 'text'")
 # The same buckets from the ledger's summaries (ledger_buckets.py): a bucket of `width` iterations is the
 # width // BUCKET_ITERATIONS summaries whose bucket // that is the same; every summary row is checked (`bad`).
 _SUMMARIES = (
     "SELECT rank, MIN(first_iteration) AS iteration, SUM(sum_ts) / SUM(count) AS ts, "
     "SUM(sum_value) / SUM(count) AS value, MIN(low) AS low, MAX(high) AS high, SUM(count) AS count, "
     "MIN(first_ts) AS first_ts, MAX(last_ts) AS last_ts, MAX(last_iteration) AS last, "
-    f"SUM(NOT ({_BUCKET_TESTS})) AS bad FROM metric_buckets WHERE run_id = ? AND attempt_id = ? AND name = ? "
+    f"SUM({_SUMMARY_BAD}) AS bad FROM metric_buckets WHERE run_id = ? AND attempt_id = ? AND name = ? "
     "GROUP BY rank, bucket / ? ORDER BY 3, 1")
 
 
