@@ -25,7 +25,7 @@ from stepdeploy.errors import StepdeployError
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger
 from stepdeploy.monitor.parse_workload import METRIC_NAMES  # the names the report plots
-from stepdeploy.remote.executor import Executor, RunStatus
+from stepdeploy.remote.executor import Executor, RunStatus, StopResult
 from stepdeploy.render import RenderOptions
 from stepdeploy.rollout import gates, recovery
 from stepdeploy.rollout.attempt import (
@@ -56,6 +56,22 @@ class GateFailed(StageFailed):
     def __init__(self, message: str, verdict: gates.GateVerdict) -> None:
         super().__init__(message)
         self.verdict = verdict
+
+
+
+# A save in flight when a run is stopped left a staging directory (never committed: a resume discards it). The ranks
+# remove their own on SIGTERM; one killed after the stop's grace cannot. Swept only once the stop is proven on every
+# node (no process of the run left to write into it), as the soak's recovery does before a restart (issue 36).
+SWEEP_STAGING = "rm -rf -- out/checkpoints/.iter_*.tmp*"
+
+
+def stop_and_sweep(executor: Executor) -> list[StopResult]:
+    """Stop the run everywhere; when every node says nothing of it is left, remove its uncommitted staging
+    directories (best effort: what stays, the next start's repair removes). -> the stop's results"""
+    results = executor.stop()
+    if results and all(result.ok for result in results):
+        executor.run_command(SWEEP_STAGING)
+    return list(results or [])
 
 
 class AttemptService:
@@ -138,7 +154,7 @@ class AttemptService:
             executor.stop()
             raise
         if status.running:
-            executor.stop()
+            stop_and_sweep(executor)
         return status, why
 
     # --- collect and record -----------------------------------------------------------------------------------

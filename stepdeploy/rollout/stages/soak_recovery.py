@@ -12,12 +12,12 @@ from stepdeploy.remote.executor import Executor, RunStatus
 from stepdeploy.rollout import monitors
 from stepdeploy.rollout.config import StageFailed, StageStopped
 from stepdeploy.rollout.recovery import LOG_TAIL, attempt_log_lines
-from stepdeploy.rollout.service import AttemptService
+from stepdeploy.rollout.service import SWEEP_STAGING, AttemptService
 
 # a new attempt must not read the last one's rank files; a save in flight when the run was stopped or killed
 # left a staging directory (the rank removes its own on a stop, not when killed): never committed, it only takes
 # room (issue 36). Run only once the stop is proven (no process of the run left to write into it).
-CLEAR_RANK_FILES = "rm -f -- out/status/rank* out/heartbeat/rank* && rm -rf -- out/checkpoints/.iter_*.tmp*"
+CLEAR_RANK_FILES = f"rm -f -- out/status/rank* out/heartbeat/rank* && {SWEEP_STAGING}"
 
 
 def event(r: AttemptService, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
