@@ -16,7 +16,6 @@ all-reduced over TP under SP); rank 0 prints one JSON line with every run's repo
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -104,7 +103,7 @@ def run(name: str, model: str, layout_text: str, weights: dict[str, torch.Tensor
                        model=[model_], num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=MBS,
                        decoder_seq_length=SEQ, forward_only=False)
         if step == 0:
-            grads = {key.removeprefix("module."): whole(key, param, param.main_grad, gated).flatten().tolist()
+            grads = {key.removeprefix("module."): whole(key, param, param.main_grad, gated).flatten().clone()
                      for key, param in model_.named_parameters()}
         optimizer.step()
         losses.append(float(sum(x["lm loss"] for x in out) / len(out)))
@@ -137,17 +136,16 @@ def rank_main(rank: int, port: int, out: str) -> None:
     for result in results:
         del result["initial"]
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        torch.save(results, out)  # tensors, not JSON floats: the gradients are millions of numbers
     dist.destroy_process_group()
 
 
 def main(out: str) -> None:
-    """2 gloo ranks on this machine; prints the JSON rank 0 wrote to `out`."""
+    """2 gloo ranks on this machine; rank 0 writes the results to `out` (torch.save)."""
     sys.path.insert(0, str(HERE))
     from megatron_cpu import free_port
 
     torch.multiprocessing.spawn(rank_main, args=(free_port(), out), nprocs=2, join=True)
-    print(Path(out).read_text())
 
 
 if __name__ == "__main__":
