@@ -119,6 +119,18 @@ def close_ssh_masters(control_dir: Path) -> None:
                        timeout=30, check=False)
 
 
+def swapped_host_key_inventory(cluster: SimConfig, tmp_path: Path) -> Path:
+    """The cluster's inventory with a known_hosts in which node2's key is node1's (as after a node was replaced or
+    its address taken over): every host-key check of node2 must refuse it."""
+    entries = [line.split(" ", 1) for line in cluster.known_hosts.read_text().splitlines() if line.strip()]
+    (first_host, first_key), (second_host, _) = entries[0], entries[1]
+    tampered = tmp_path / "known_hosts"
+    tampered.write_text(f"{first_host} {first_key}\n{second_host} {first_key}\n")
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text(cluster.inventory.read_text().replace(str(cluster.known_hosts), str(tampered)))
+    return inventory
+
+
 def stepdeploy_cli(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     """The real CLI in a subprocess (as a user runs it), output captured."""
     return subprocess.run([sys.executable, "-m", "stepdeploy", *args], capture_output=True, text=True,

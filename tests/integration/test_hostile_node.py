@@ -33,7 +33,7 @@ from stepdeploy.remote.transport import SshChannel
 from stepdeploy.render.manifest import Manifest
 from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import private_cluster, processes_of, stepdeploy_cli
+from .conftest import private_cluster, processes_of, stepdeploy_cli, swapped_host_key_inventory
 
 FAST = ["-m", "tiny-dense", "--stages", "soak", "--seq", "64", "--gbs", "4", "--checkpoint-interval", "3",
         "--pg-timeout", "30"]
@@ -179,12 +179,7 @@ def test_a_rollout_with_hostile_nodes_finishes_and_blames_them(cluster: SimConfi
 
 def test_a_changed_host_key_on_node2_stops_the_rollout_before_anything_is_written(cluster: SimConfig,
                                                                                    tmp_path: Path) -> None:
-    entries = [line.split(" ", 1) for line in cluster.known_hosts.read_text().splitlines() if line.strip()]
-    (first_host, first_key), (second_host, _) = entries[0], entries[1]
-    tampered = tmp_path / "known_hosts"
-    tampered.write_text(f"{first_host} {first_key}\n{second_host} {first_key}\n")
-    inventory = tmp_path / "inventory.ini"
-    inventory.write_text(cluster.inventory.read_text().replace(str(cluster.known_hosts), str(tampered)))
+    inventory = swapped_host_key_inventory(cluster, tmp_path)
     run = tmp_path / "hostkey"
     before = listing(tmp_path, run)
     res = stepdeploy_cli("rollout", "run", "-i", str(inventory), *FAST, "--soak-duration", "20s",

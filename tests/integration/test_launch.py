@@ -21,7 +21,7 @@ from stepdeploy.render import RenderOptions
 from stepdeploy.render.build import build, write_run
 from stepdeploy.sim.cluster import SimConfig
 
-from .conftest import private_cluster
+from .conftest import private_cluster, swapped_host_key_inventory
 
 PG_TIMEOUT = 15
 
@@ -137,12 +137,7 @@ def test_a_changed_host_key_on_one_node_leaves_every_node_unwritten(sdrun: SimCo
     """Issue 36: node2's key in known_hosts is node1's (as after a node was replaced or an address taken over). The
     upload used to write node1 as root before node2 was refused; every node must be reached first."""
     run = rendered(sdrun, tmp_path, "hostkey-1", iterations=10)
-    entries = [line.split(" ", 1) for line in sdrun.known_hosts.read_text().splitlines() if line.strip()]
-    (first_host, first_key), (second_host, _) = entries[0], entries[1]
-    tampered = tmp_path / "known_hosts"
-    tampered.write_text(f"{first_host} {first_key}\n{second_host} {first_key}\n")
-    inventory = tmp_path / "inventory.ini"
-    inventory.write_text(sdrun.inventory.read_text().replace(str(sdrun.known_hosts), str(tampered)))
+    inventory = swapped_host_key_inventory(sdrun, tmp_path)
     with executor_for(run, str(inventory)) as executor:
         results = {r.node: r for r in executor.prepare(run)}
     assert not any(r.ok for r in results.values()), results
