@@ -1,5 +1,5 @@
 """Exploration on one GPU (not a product figure): where a restart's checkpoint read and a first save's host copy
-spend their time, with torch alone (issues 20, 21; docs/benchmarks.md).
+spend their time, with torch alone (issues 20, 21; docs/benchmarks-log.md).
 
 - read: a torch.distributed.checkpoint directory of about the dense proxy's size (10 GiB of fp32/bf16 tensors, the
   size mix of its save), written to memory (/dev/shm, as the GPU box's run directories are), read back into GPU

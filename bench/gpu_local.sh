@@ -75,7 +75,7 @@ if [[ $steps == *" moeproxy "* ]]; then
 # the MoE proxy's own rollout (issue 20: it passes on one GPU) on the default data, the seeded synthetic stream:
 # warm-up, then a soak whose gates judge the expert load after the warm-up; no checkpoint (~50 GB each). 300 s: the
 # routers collapse in the first steps and come back as the loss leaves the unigram plateau (steps 40-80); a 60 s soak
-# ends inside that and fails expert_load (docs/benchmarks.md, calls AJ and AL-AN)
+# ends inside that and fails expert_load (docs/benchmarks-log.md, calls AJ and AL-AN)
 local_rollout local-moeproxy "${MOEPROXY_TIMEOUT:-540}" -m proxy-0.7b-moe --stages warmup,soak \
     --warmup-iterations 6 --soak-duration "${MOEPROXY_SOAK:-300s}" --checkpoint-interval 100000
 grep -i "expert_load\|moe_load" "$keep/local-moeproxy-report.txt" | head -5
@@ -86,7 +86,7 @@ if [[ $steps == *" firststep "* ]]; then
 # step under cProfile (--env STEPDEPLOY_PROFILE_FIRST=1): the warm-up's (a cold compile cache), the soak's first
 # start and its restart (warm); first-step-rank0-<iteration>.json of each. FIRST_ENV: more KEY=VALUE for every rank
 # (space-separated), e.g. FIRST_ENV=TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0: inductor's occupancy-driven halving of a
-# reduction's block, which adds a second config to benchmark at every start (docs/benchmarks.md, call AK)
+# reduction's block, which adds a second config to benchmark at every start (docs/benchmarks-log.md, call AK)
 first_env=()
 for pair in ${FIRST_ENV:-}; do first_env+=(--env "$pair"); done
 local_rollout local-first "${FIRST_TIMEOUT:-200}" -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 \

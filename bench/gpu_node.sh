@@ -8,7 +8,7 @@
 #   SSHD_ONLY=1 bash bench/gpu_node.sh DEBS - STATE   # only the sshd, known_hosts and inventory (tried on Debian 12)
 #
 # DEBS:   Debian bookworm's openssh-server and the libraries it needs there (apt-get download, see
-#         docs/benchmarks.md), unpacked with dpkg -x into STATE/root -- nothing is installed into the system.
+#         docs/benchmarks-log.md), unpacked with dpkg -x into STATE/root -- nothing is installed into the system.
 # WHEELS: stepdeploy's controller dependencies for the machine's Python (pip download --python-version 3.12)
 #         and megatron-core.
 # STATE:  a new private directory (0700): the sshd tree, its host key, our client key, known_hosts, the inventory.

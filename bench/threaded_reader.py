@@ -6,7 +6,7 @@ torch.load them on the CPU, copy them into the target tensor). On an H200 the de
 time, in a lock; the copy into the target outside it unless megatron-core's planner kept a tensor between
 resolve_tensor and commit_tensor). On the H200 it did not help: 1.1-1.4 GB/s with 1 or 8 threads, into host tensors
 as into device ones, so torch.load's per-item work holds the GIL; the device copies are 1.6 s of the 9-10
-(docs/benchmarks.md). Standard library + torch only.
+(docs/benchmarks-log.md). Standard library + torch only.
 """
 
 from __future__ import annotations
