@@ -93,9 +93,20 @@ def test_a_hang_reported_during_a_silence_is_its_node_loss() -> None:
 
 
 def test_a_cause_of_its_own_during_a_blip_is_still_named() -> None:
-    """A rank killed on n1 while n2 blips is a crash on that rank (it did not wait on n2)."""
+    """A rank killed on n1, or one that failed with its own error, while n2 blips is a crash on that rank (it did not
+    wait on n2), also when its peer's collective failed because of it."""
     verdict = classify(_n2_silent(20.0, _rank(0, "died"), _rank(1, age=20.0)), heartbeat_timeout_s=TIMEOUT)
     assert (verdict.kind, verdict.node, verdict.rank) == ("crash", "n1", 0)
+    verdict = classify(_n2_silent(20.0, _rank(0, EXITED, 1), _rank(1, EXITED, 3)), heartbeat_timeout_s=TIMEOUT)
+    assert (verdict.kind, verdict.node, verdict.rank) == ("crash", "n1", 0)
+
+
+def test_a_run_that_ended_where_it_answers_while_a_node_is_silent_is_its_node_loss() -> None:
+    """n1's ranks are gone (the end of the follow) while n2 is silent: nothing rode the silence out, and the
+    controller cannot see how n2's part ended."""
+    verdict = classify(_n2_silent(20.0, _rank(0, EXITED, 0), _rank(1, EXITED, 143)), heartbeat_timeout_s=TIMEOUT)
+    assert (verdict.kind, verdict.node) == ("node-loss", "n2")
+    assert verdict.evidence[-1] == "no rank runs any more on n1 (exit codes 0, 143)"
 
 
 def test_silences_not_measured_or_of_every_node_are_lost_at_once() -> None:
