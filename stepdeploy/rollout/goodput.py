@@ -21,8 +21,8 @@ The cost is linear in the lines, phases, attempts and events: every "the last be
 forward walk of a time-ordered list over the starts' (or the failures') times in order, two pointers that only move
 on (a start's first step is looked up among the lines of its iteration, a dict built in one pass). Both sides come in
 time order -- the ledger returns attempts and events by time, a node writes its lines and phases as its clock goes --
-and one linear pass checks that before the walk; a side that is not in order (a node clock stepped back, a skewed
-clock's start before its launch) is sorted once, so such a soak costs O(n log n) and the answers stay the same.
+and one linear pass checks that before the walk; a side that is not in order (a node's clock stepped back mid-soak,
+rows not written in time order) is sorted once instead, so such a soak costs O(n log n) with the same answers.
 Nothing is ever quadratic. Caveat: the first-step lookup costs the lines of the start's iteration per start, a few
 for a real soak (the runs of one iteration that restarts redid), more only when many starts name one iteration that
 many lines hold.
