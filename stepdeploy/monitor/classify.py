@@ -1,7 +1,12 @@
 """Classify a failed run: crash, hang, link or node-loss, with the evidence, first causes before consequences.
 
 Rules, in order (the first that holds wins):
-  node-loss  a node is unreachable
+  node-loss  a node is unreachable and lost: silent for the heartbeat timeout (RunStatus.lost_nodes), or silent
+             for less while the run shows it did not ride the silence out (a rank elsewhere exited on a failed
+             collective or hangs past the timeout, the monitor reports a hang, or no rank that answers runs any
+             more): those ranks waited on the silent node, so they are its consequences, never a `link` or `hang`
+             of their own. A rank that answers and died or failed on its own is a crash first (below). A shorter
+             silence the run rides out (a link blip: the node answers again, training goes on) is no failure.
   link       a monitor finding says a link went down (IB port not ACTIVE, interface not up, link_downed rose)
   crash      a rank died without exiting (killed, segfault) or exited with its own error (not a collective
              failure, not SIGTERM from the stop)
@@ -16,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stepdeploy.monitor.model import Finding, Severity
-from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, RankStatus, RunStatus
+from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, NodeStatus, RankStatus, RunStatus
 
 CRASH, HANG, LINK, NODE_LOSS = "crash", "hang", "link", "node-loss"
 NOT_A_CAUSE = (0, EXIT_COLLECTIVE, 143, None)  # 143: SIGTERM, what a stop sends
@@ -56,11 +61,38 @@ def _reason(rank: RankStatus) -> str:
 
 
 def _node_loss(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:
-    lost = [n for n in status.nodes if n.state == UNREACHABLE]
-    if not lost:
+    silent = [n for n in status.nodes if n.state == UNREACHABLE]
+    if not silent:
         return None
-    return Classification(NODE_LOSS, lost[0].node, None,
-                          tuple(f"node {n.node} unreachable: {n.detail or 'no answer'}" for n in lost))
+    lost = status.lost_nodes(timeout)
+    if lost:
+        return Classification(NODE_LOSS, lost[0].node, None, _unreachable(lost))
+    if _crash(status, findings, timeout) is not None:
+        return None  # a rank that answers died or failed on its own: a cause of its own, the crash rule names it
+    stalled = _stalled(status, findings, timeout)
+    if not stalled:
+        return None  # silent for less than the timeout and the run rides it out (so far): a blip, not a loss
+    why = f"the run did not ride out the silence (under the {timeout:.0f} s timeout):"
+    return Classification(NODE_LOSS, silent[0].node, None, (*_unreachable(silent), why, *stalled))
+
+
+def _unreachable(nodes: list[NodeStatus]) -> tuple[str, ...]:
+    return tuple(f"node {n.node} unreachable: {n.detail or 'no answer'}" for n in nodes)
+
+
+def _stalled(status: RunStatus, findings: list[Finding], timeout: float) -> tuple[str, ...]:
+    """What shows the run stopped while a node is silent: ranks that exited on a failed collective, running ranks
+    without a heartbeat past the timeout, the monitor's hang findings, or no rank that answers running any more."""
+    ranks = status.ranks
+    found = [f"rank {r.rank} on {r.node}: exited {r.code} ({_reason(r) or 'collective failed'})"
+             for r in ranks if r.state == EXITED and r.code == EXIT_COLLECTIVE]
+    found += [f"rank {r.rank} on {r.node}: no heartbeat for {r.heartbeat_age_s:.0f} s, at iteration {r.iteration}"
+              for r in ranks if r.state == RUNNING and r.heartbeat_age_s is not None and r.heartbeat_age_s > timeout]
+    found += [f"monitor: {f.node} {f.subject}: {f.message}" for f in findings if f.kind == "hang"]
+    if not found and ranks and not any(r.state == RUNNING for r in ranks):
+        found.append(f"no rank runs any more on {', '.join(sorted({r.node for r in ranks}))} (exit codes "
+                     f"{', '.join(str(r.code) for r in ranks)})")
+    return tuple(found)
 
 
 def _link_finding(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:

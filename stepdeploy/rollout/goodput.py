@@ -17,18 +17,23 @@ The wall is the soak stage's first start to its end (or now). It splits into:
   than the wall (the nodes' clocks and the controller's disagree) the excess is reported as `overrun_s`.
 
 Times of metrics and phases come from rank 0's node, those of attempts and events from the controller.
-The cost is linear in the lines and phases and O(r log r) in the restarts' attempts and events (a soak of 20,000
-restarts takes well under a second): a start's first step is looked up among the lines of its iteration (a dict
-built in one pass), and every "the last before" and "the next after" is a binary search in a list sorted once. The
-ledger returns attempts and events in time order, and Python's sort finds such a list's one run in a linear pass;
-the log factor left is one binary search per start and failure, which a moving pointer would remove only by
-assuming an order that node clocks do not guarantee (a skewed clock's time is still looked up correctly).
+The cost is linear in the lines, phases, attempts and events: every "the last before" and "the next after" is one
+forward walk of a time-ordered list over the starts' (or the failures') times in order, two pointers that only move
+on (a start's first step is looked up among the lines of its iteration, a dict built in one pass). Both sides come in
+time order -- the ledger returns attempts and events by time, a node writes its lines and phases as its clock goes --
+and one linear pass checks that before the walk; a side that is not in order (a node's clock stepped back mid-soak,
+rows not written in time order) is sorted once instead, so such a soak costs O(n log n) with the same answers.
+Nothing is ever quadratic. Caveat: the first-step lookup costs the lines of the start's iteration per start, a few
+for a real soak (the runs of one iteration that restarts redid), more only when many starts name one iteration that
+many lines hold.
 """
 
 from __future__ import annotations
 
-import bisect
+import heapq
+import itertools
 import math
+import operator
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -134,7 +139,7 @@ def breakdown(started: float, ended: float, metrics: list[dict[str, Any]], phase
     firsts = _first_step_lines(lines, groups)
     steady = _median([float(m["step_time_s"]) for i, m in enumerate(lines) if keep[i] and i not in firsts]
                      or [float(m["step_time_s"]) for m in lines])
-    launches = sorted(float(a["started"]) for a in attempts)[1:]  # the first start's launch: the soak's start
+    launches = _sorted_once([float(a["started"]) for a in attempts])[1:]  # the first start's launch: the soak's start
     starts = _start_costs(groups, [started, *launches], steady)
     # a first step's cost above a steady step is start-up's, not the step's
     extra = {i: min(starts[g].parts.get("first_step_extra", 0.0), float(lines[i]["step_time_s"]))
@@ -199,33 +204,70 @@ def _first_step_lines(lines: list[dict[str, Any]], groups: list[dict[str, dict[s
     return found
 
 
-def _last_at_most(ordered: list[float], limit: float) -> float | None:
-    """`max(x for x in ordered if x <= limit)` of a sorted list (of equal values the first, as max() gives)."""
-    at = bisect.bisect_right(ordered, limit)
-    if at == 0 or not ordered[at - 1] <= limit:  # a NaN limit: nothing is <= it
-        return None
-    return ordered[bisect.bisect_left(ordered, ordered[at - 1])]
+def _in_order(values: list[float]) -> bool:
+    """Whether `values` never goes down (one pass; a NaN anywhere but alone makes it False)."""
+    return all(map(operator.le, values, itertools.islice(values, 1, None)))
 
 
-def _first_after(ordered: list[float], limit: float, *, strict: bool) -> float | None:
-    """`next(x for x in ordered if x > limit)` (`x >= limit` unless strict) of a sorted list, else None."""
-    at = (bisect.bisect_right if strict else bisect.bisect_left)(ordered, limit)
-    found = ordered[at] if at < len(ordered) else None
-    return found if found is not None and (found > limit if strict else found >= limit) else None
+def _sorted_once(values: list[float]) -> list[float]:
+    """`sorted(values)`: the list itself when a linear check finds it in order (what the ledger and a node's files
+    give), else sorted (the fallback for a clock that went back: O(n log n), the same result)."""
+    return values if _in_order(values) else sorted(values)
 
 
-def _ordered(values: list[float]) -> list[float]:
-    """Sorted (stable: equal values keep their order), NaN left out: a NaN passes no comparison, so never a
-    `max(x ... if x <= y)` or `next(x ... if x > y)`."""
-    return sorted(v for v in values if not math.isnan(v))
+def _ordered(*parts: list[float]) -> list[float]:
+    """The values of all parts sorted (stable: equal values keep their order, part by part), NaN left out: a NaN
+    passes no comparison, so never a `max(x ... if x <= y)` or `next(x ... if x > y)`. Each part is checked (and
+    sorted only when out of order), then the parts are merged: linear for parts in time order."""
+    ordered = [_sorted_once([v for v in part if not math.isnan(v)]) for part in parts]
+    return ordered[0] if len(ordered) == 1 else list(heapq.merge(*ordered))
+
+
+def _walk_order(limits: list[float]) -> list[int]:
+    """The indices of `limits` (NaN ones left out: nothing compares to a NaN) in ascending order of the limit:
+    as given when a linear check finds them in order, else sorted once (a skewed clock; O(m log m))."""
+    kept = [i for i, limit in enumerate(limits) if not math.isnan(limit)]
+    if all(limits[a] <= limits[b] for a, b in itertools.pairwise(kept)):
+        return kept
+    return sorted(kept, key=limits.__getitem__)
+
+
+def _last_at_most_each(ordered: list[float], limits: list[float]) -> list[float | None]:
+    """For each limit `max(x for x in ordered if x <= limit)` of a sorted list (of equal values the first, as max()
+    gives), None when there is none or the limit is NaN: one forward walk over `ordered` with the limits in order,
+    each element of `ordered` passed once (n + m steps, not m binary searches)."""
+    found: list[float | None] = [None] * len(limits)
+    at = run = 0  # ordered[:at]: <= the limit so far; ordered[run:at]: the run of equal values just below `at`
+    for i in _walk_order(limits):
+        while at < len(ordered) and ordered[at] <= limits[i]:
+            if at == 0 or ordered[at - 1] < ordered[at]:
+                run = at
+            at += 1
+        if at:
+            found[i] = ordered[run]
+    return found
+
+
+def _first_after_each(ordered: list[float], limits: list[float], *, strict: bool) -> list[float | None]:
+    """For each limit `next(x for x in ordered if x > limit)` (`x >= limit` unless strict) of a sorted list, else
+    None (a NaN limit too): one forward walk, as _last_at_most_each."""
+    found: list[float | None] = [None] * len(limits)
+    at = 0  # ordered[:at]: not after the limit so far
+    for i in _walk_order(limits):
+        limit = limits[i]
+        while at < len(ordered) and (ordered[at] <= limit if strict else ordered[at] < limit):
+            at += 1
+        if at < len(ordered):
+            found[i] = ordered[at]
+    return found
 
 
 def _start_costs(groups: list[dict[str, dict[str, Any]]], launches: list[float], steady: float | None
                  ) -> list[StartCost]:
-    costs, used, ordered = [], set(), _ordered(launches)
-    for group in groups:
-        t0 = float(group["start"]["time"])
-        found = _last_at_most(ordered, t0 + LAUNCH_SLACK_S)
+    costs, used = [], set()
+    starts = [float(group["start"]["time"]) for group in groups]
+    launched = _last_at_most_each(_ordered(launches), [t0 + LAUNCH_SLACK_S for t0 in starts])
+    for group, t0, found in zip(groups, starts, launched, strict=True):
         launch = t0 if found is None else found
         launch = t0 if launch in used else launch  # a second start within one attempt began on its own
         used.add(launch)
@@ -256,19 +298,19 @@ def _failures(events: list[dict[str, Any]], attempts: list[dict[str, Any]], line
     detected = [e for e in events if e["kind"] == "detected"]
     stops = _ordered([float(e["ts"]) for e in events if e["kind"] == "stop"])
     injected = [float(e["data"]["time"]) for e in events if e["kind"] == "inject" and _num(e["data"].get("time"))]
-    seen = [float(m["time"]) for m in lines if _num(m.get("time")) is not None]
-    seen += [float(p["time"]) for p in phases if _num(p.get("time")) is not None] + injected
-    seen = _ordered(seen)
+    seen = _ordered([float(m["time"]) for m in lines if _num(m.get("time")) is not None],
+                    [float(p["time"]) for p in phases if _num(p.get("time")) is not None], injected)
+    times = [_num(event["data"].get("time")) or float(event["ts"]) for event in detected]
+    # the launch before each detection, the last thing seen up to it (if after that launch), the stop after it
+    sinces, lasts = _last_at_most_each(launches, times), _last_at_most_each(seen, times)
+    stops_after = _first_after_each(stops, times, strict=False)
+    afters = [at if stopped is None else stopped for at, stopped in zip(times, stops_after, strict=True)]
+    restarts = _first_after_each(launches, afters, strict=True)  # the next launch after the stop
     costs = []
-    for event in detected:
-        at = _num(event["data"].get("time")) or float(event["ts"])
-        found = _last_at_most(launches, at)
+    for event, at, found, last, stopped, after, restarted in zip(detected, times, sinces, lasts, stops_after, afters,
+                                                                  restarts, strict=True):
         since = started if found is None else found
-        last = _last_at_most(seen, at)  # the last thing seen up to the detection, if it is after `since`
         failed = last if last is not None and since <= last else since
-        stopped = _first_after(stops, at, strict=False)
-        after = stopped if stopped is not None else at
-        restarted = _first_after(launches, after, strict=True)
         parts = {"detection": at - failed, "stop": after - at, "restart": (restarted or ended) - after}
         costs.append(FailureCost(event["data"].get("kind"), failed, at, stopped, restarted,
                                  {k: max(0.0, v) for k, v in parts.items()}))

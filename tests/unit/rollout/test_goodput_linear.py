@@ -1,8 +1,9 @@
-"""Goodput's breakdown is O(n log n) in the restarts (issue 36 item 3) and gives exactly what the earlier,
-quadratic one gave: `reference_breakdown` below is that one, kept as the reference, and both are run on soaks of
-0, 1 and many restarts built at random (with noise: a node's clock behind the controller's, reused pids, lines
-without a time, first steps naming another iteration, detections without a time, missing stops) and on free-form
-rows full of ties. The timing is bench/goodput_restarts.py's (docs/benchmarks.md), not a test's."""
+"""Goodput's breakdown is linear in the restarts (issue 36 item 3; the walk's step counts: test_goodput_walk.py) and
+gives exactly what the earlier, quadratic one gave: `reference_breakdown` below is that one, kept as the reference,
+and both are run on soaks of 0, 1 and many restarts built at random (with noise: a node's clock behind the
+controller's, reused pids, lines without a time, first steps naming another iteration, detections without a time,
+missing stops) and on free-form rows full of ties. The timing is bench/goodput_restarts.py's (docs/benchmarks.md),
+not a test's."""
 
 from __future__ import annotations
 
