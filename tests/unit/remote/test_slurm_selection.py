@@ -150,8 +150,8 @@ def test_job_events_reach_the_rollouts_ledger_through_the_callers_callback(tmp_p
         slurm.on_event("slurm job 5 submitted (sd-warmup-sel)", {"job_id": "5"})
     [event] = [e for e in ledger.events("r1") if e["kind"] == "slurm"]
     assert event["message"] == "slurm job 5 submitted (sd-warmup-sel)" and event["stage"] == "warmup"
-    from stepdeploy.cli.run import executor_for as run_executor
+    from stepdeploy.cli.run import executor_for_run_dir
 
-    with run_executor(tmp_path / "attempts" / "a1", str(inventory(tmp_path, ""))) as plain:
+    with executor_for_run_dir(tmp_path / "attempts" / "a1", str(inventory(tmp_path, ""))) as plain:
         plain.on_event("not recorded", {})
     assert [e["message"] for e in ledger.events("r1") if e["kind"] == "slurm"] == [event["message"]]
