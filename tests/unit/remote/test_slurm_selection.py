@@ -55,7 +55,8 @@ def test_no_executor_variable_means_fabric(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ("stepdeploy_executor=k8s", "stepdeploy_executor = 'k8s' is not a known value; use one of fabric, slurm"),
+    ("stepdeploy_executor=k8s",
+     "stepdeploy_executor = 'k8s' is not a known value; use one of fabric, local, slurm"),
     ("stepdeploy_slurm_tasks=rank", "stepdeploy_slurm_tasks = 'rank' is not a known value; use one of gpu, node"),
     ("stepdeploy_slurm_partition='a b'", "is not a Slurm partition name"),
     ("stepdeploy_slurm_controller='no;such host'", "is not an address"),
@@ -95,7 +96,8 @@ def test_the_option_overrides_the_inventory_both_ways() -> None:
 
 
 def test_an_unknown_executor_option_is_refused() -> None:
-    with pytest.raises(BadInput, match="unknown executor 'k8s'; use fabric or slurm"):
+    with pytest.raises(BadInput, match=r"unknown executor 'k8s'; use fabric \(SSH\), slurm \(sbatch\) "
+                                       r"or local \(this machine, no SSH\)"):
         RenderOptions(run_id="x", executor="k8s")
 
 
