@@ -36,7 +36,7 @@ def _preflight(cfg: SimConfig) -> float:
 
 
 def _ansible(cfg: SimConfig, forks: int) -> float:
-    script = probe.script(probe.ProbeSpec(train_iface="eth0"))
+    script = probe.script(probe.PreflightProbeSpec(train_iface="eth0"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "ANSIBLE_HOST_KEY_CHECKING": "True", "ANSIBLE_STDOUT_CALLBACK": "minimal"}
     t0 = time.monotonic()

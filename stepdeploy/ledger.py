@@ -44,7 +44,7 @@ from stepdeploy.ledger_schema import (
 
 # Re-exported: the ledger's readers import them from here.
 __all__ = ["ATTEMPT_STATES", "RUN_STATES", "SCHEMA", "SCHEMA_VERSION", "STAGE_STATES", "Ledger", "LedgerLocked",
-           "NotALedger", "Stage", "controller_lock"]
+           "NotALedger", "StageRow", "controller_lock"]
 
 
 class LedgerLocked(StepdeployError):
@@ -57,7 +57,9 @@ def _dumps(value: Any) -> str:
 
 
 @dataclass(frozen=True)
-class Stage:
+class StageRow:
+    """One row of the ledger's stages table: a rollout stage's progress in one run."""
+
     name: str
     position: int
     status: str
@@ -179,12 +181,12 @@ class Ledger:
             db.execute("UPDATE runs SET status = ?, updated = ? WHERE id = ?", (status, self.clock(), run_id))
             self._event(db, run_id, "run", f"run {status}")
 
-    def stages(self, run_id: str) -> list[Stage]:
+    def stages(self, run_id: str) -> list[StageRow]:
         rows = self.db.execute("SELECT * FROM stages WHERE run_id = ? ORDER BY position", (run_id,))
-        return [Stage(r["name"], r["position"], r["status"], r["started"], r["finished"], r["reason"])
+        return [StageRow(r["name"], r["position"], r["status"], r["started"], r["finished"], r["reason"])
                 for r in rows]
 
-    def next_stage(self, run_id: str) -> Stage | None:
+    def next_stage(self, run_id: str) -> StageRow | None:
         """The first stage not finished for good (passed/skipped): where a (resumed) run continues."""
         return next((s for s in self.stages(run_id) if s.status not in FINAL), None)
 

@@ -37,7 +37,7 @@ EXECUTOR = typer.Option(None, "--executor", help=f"{registry.HELP} (default: the
                         "local when every node of the inventory is ansible_connection=local).")
 
 
-def executor_for(run_dir: Path, inventory: str | None, insecure: bool = False,
+def executor_for_run_dir(run_dir: Path, inventory: str | None, insecure: bool = False,
                  executor: str | None = None) -> Executor:
     """The run's executor: remote/registry.py decides from the manifest, the inventory and `executor`."""
     manifest = Manifest.load(run_dir)
@@ -69,7 +69,7 @@ def launch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
            insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Upload the run directory to every node (atomically) and start it detached. With --follow, the exit code
     is the run's: 0 if every node finished cleanly, 1 if it failed, 3 if a node is unreachable."""
-    executor = executor_for(run_dir, inventory, insecure, executor_kind)
+    executor = executor_for_run_dir(run_dir, inventory, insecure, executor_kind)
     if dry_run:
         for line in executor.describe(run_dir):
             out.print(line, markup=False)
@@ -121,7 +121,7 @@ def _print_status(status: RunStatus) -> None:
 def status_cmd(run_dir: Path = RUN, inventory: str | None = INVENTORY, as_json: bool = JSON,
                insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Per node: running / exited (code) / unreachable; per rank: state, last heartbeat iteration."""
-    with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
+    with executor_for_run_dir(run_dir, inventory, insecure, executor_kind) as executor:
         status = executor.poll()
     if as_json:
         emit_json({"nodes": [asdict(n) for n in status.nodes], "culprits": status.culprits()})
@@ -137,7 +137,7 @@ def logs(run_dir: Path = RUN, inventory: str | None = INVENTORY,
                                      help="Stream until the run ends; exit as `run status` would then."),
          insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Every node's log, each line prefixed with its node (the workload adds [rank R])."""
-    with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
+    with executor_for_run_dir(run_dir, inventory, insecure, executor_kind) as executor:
         if follow:
             _exit_for(_follow(executor))
             return
@@ -152,7 +152,7 @@ def stop(run_dir: Path = RUN, inventory: str | None = INVENTORY,
                                       "SIGKILL."),
          insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """SIGTERM the run's processes on every node, SIGKILL after the grace, and prove none is left."""
-    with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
+    with executor_for_run_dir(run_dir, inventory, insecure, executor_kind) as executor:
         results = executor.stop(grace)
     _report([NodeResult(r.node, r.ok, r.detail) for r in results], "stopped; nothing of the run is left")
 
@@ -163,5 +163,5 @@ def fetch(run_dir: Path = RUN, inventory: str | None = INVENTORY,
           insecure: bool = INSECURE, executor_kind: str | None = EXECUTOR) -> None:
     """Copy metrics, status, heartbeats, logs and exit codes (not checkpoints) back from every node."""
     safeio.check_output_dir(dest or run_dir / "fetched", "fetched files")
-    with executor_for(run_dir, inventory, insecure, executor_kind) as executor:
+    with executor_for_run_dir(run_dir, inventory, insecure, executor_kind) as executor:
         _report(executor.fetch(dest or run_dir / "fetched"), "fetched")

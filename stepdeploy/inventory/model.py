@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stepdeploy.executor_kinds import ExecutorKind
 from stepdeploy.stack import StackProfile
 
 Connection = Literal["ssh", "local"]
 Arch = Literal["x86_64", "aarch64"]
 Fabric = Literal["infiniband", "roce", "ethernet"]
-ExecutorKind = Literal["fabric", "slurm", "local"]  # remote/registry.py has one module per name
-EXECUTOR_KINDS: tuple[str, ...] = get_args(ExecutorKind)
 SlurmTasks = Literal["node", "gpu"]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stepdeploy.errors import BadInput
+from stepdeploy.executor_kinds import EXECUTOR_KINDS, INVENTORY_ALIASES
 from stepdeploy.inventory import values as v
 from stepdeploy.inventory.ansible_source import RawHost
 from stepdeploy.inventory.model import Node, SshSettings
@@ -23,6 +24,8 @@ STEPDEPLOY_VARS = (
 # Cluster-wide settings: every host must agree (set them once in group_vars/all.yml or [all:vars]).
 CLUSTER_VARS = ("stepdeploy_executor", "stepdeploy_slurm_controller", "stepdeploy_slurm_partition",
                 "stepdeploy_slurm_tasks")
+# stepdeploy_executor: the registry's names (executor_kinds.py), and the inventory's older spellings of them.
+EXECUTOR_CHOICES: dict[str, str] = {**{kind: kind for kind in EXECUTOR_KINDS}, **INVENTORY_ALIASES}
 _SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # Ansible's connection variables we read. Where ansible knows two spellings it takes the one later in its own
 # list (ansible_ssh_host over ansible_host, ...): that one comes first here. Both set to different values is
@@ -116,7 +119,7 @@ def cluster_settings(raw: RawHost, source: Path) -> dict[str, tuple[Any, str]]:
     """The cluster-wide settings this host declares: variable -> (typed value, where it was set)."""
     host = HostVars(raw, source)
     readers: dict[str, Callable[[Any], Any]] = {
-        "stepdeploy_executor": lambda x: v.read_choice(x, {"fabric": "fabric", "ssh": "fabric", "slurm": "slurm"}),
+        "stepdeploy_executor": lambda x: v.read_choice(x, EXECUTOR_CHOICES),
         "stepdeploy_slurm_controller": v.read_address,
         "stepdeploy_slurm_partition": _read_slurm_name,
         "stepdeploy_slurm_tasks": lambda x: v.read_choice(x, {"node": "node", "gpu": "gpu"}),

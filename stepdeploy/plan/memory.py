@@ -16,7 +16,7 @@ from stepdeploy.plan import activations as act
 from stepdeploy.plan.cluster import ClusterShape
 from stepdeploy.plan.layout import Job, Layout
 from stepdeploy.plan.params import ParamCount
-from stepdeploy.plan.stages import Stage, stage_params, stages
+from stepdeploy.plan.stages import PipelineStage, stage_params, stages
 
 WEIGHT_BYTES = 2  # bf16 parameters
 GRAD_BYTES = 4  # fp32 main gradients (accumulate-allreduce-grads-in-fp32)
@@ -120,7 +120,7 @@ def _optimizer_shards(job: Job, layout: Layout) -> tuple[int, int]:
 
 
 def _state_bytes(
-    params: ParamCount, job: Job, layout: Layout, stage: Stage, unified: bool
+    params: ParamCount, job: Job, layout: Layout, stage: PipelineStage, unified: bool
 ) -> dict[str, float]:
     held = stage_params(params, stage, layout)
     dense_shards, expert_shards = _optimizer_shards(job, layout)
@@ -141,7 +141,7 @@ def _state_bytes(
     }
 
 
-def _activation_bytes(job: Job, layout: Layout, stage: Stage, logits: float) -> float:
+def _activation_bytes(job: Job, layout: Layout, stage: PipelineStage, logits: float) -> float:
     spec, seq = job.model, job.seq_length
     decoder = [layer for layer in stage.layers if not layer.mtp_extra]
     mtp = [layer for layer in stage.layers if layer.mtp_extra]
@@ -156,7 +156,7 @@ def _activation_bytes(job: Job, layout: Layout, stage: Stage, logits: float) -> 
     return held
 
 
-def _dispatcher_bytes(job: Job, layout: Layout, stage: Stage) -> float:
+def _dispatcher_bytes(job: Job, layout: Layout, stage: PipelineStage) -> float:
     moe = job.model.moe
     if moe is None or not any(layer.shape.ffn == "moe" for layer in stage.layers):
         return 0.0
@@ -175,7 +175,7 @@ def _nccl_bytes(job: Job, layout: Layout) -> float:
 
 
 def stage_memory(
-    params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: Stage
+    params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: PipelineStage
 ) -> StageMemory:
     parts = _state_bytes(params, job, layout, stage, cluster.gpu.unified_memory)
     host_offload = parts.pop("host_offload")

@@ -9,7 +9,9 @@ from stepdeploy.plan.params import LayerParams, ParamCount
 
 
 @dataclass(frozen=True)
-class Stage:
+class PipelineStage:
+    """One pipeline-parallel stage of a planned layout (not a rollout stage: rollout/stages/)."""
+
     index: int
     layers: tuple[LayerParams, ...]  # decoder layers, then MTP layers on the last stage
     first: bool
@@ -28,7 +30,7 @@ class StageParams:
         return self.dense + self.expert
 
 
-def stages(params: ParamCount, job: Job, layout: Layout) -> list[Stage]:
+def stages(params: ParamCount, job: Job, layout: Layout) -> list[PipelineStage]:
     counts = stage_layer_counts(job.model.num_layers, layout)
     if counts is None:
         raise ValueError(f"no pipeline split for {layout.short()}")  # constraints reject this first
@@ -36,12 +38,12 @@ def stages(params: ParamCount, job: Job, layout: Layout) -> list[Stage]:
     for index, count in enumerate(counts):
         last = index == len(counts) - 1
         layers = params.layers[start : start + count] + (params.mtp_layers if last else ())
-        result.append(Stage(index, layers, first=index == 0, last=last))
+        result.append(PipelineStage(index, layers, first=index == 0, last=last))
         start += count
     return result
 
 
-def stage_params(params: ParamCount, stage: Stage, layout: Layout) -> StageParams:
+def stage_params(params: ParamCount, stage: PipelineStage, layout: Layout) -> StageParams:
     tp, expert_shards = layout.tp, layout.ep * layout.etp
     replicated = sum(layer.norms + layer.router for layer in stage.layers)
     sharded = sum(layer.non_expert - layer.norms - layer.router for layer in stage.layers)

@@ -17,7 +17,7 @@ from stepdeploy.plan.cluster import ClusterShape
 from stepdeploy.plan.flops import model_flops_per_step, stage_flops_per_token
 from stepdeploy.plan.layout import Job, Layout
 from stepdeploy.plan.params import ParamCount
-from stepdeploy.plan.stages import Stage, stage_params, stages
+from stepdeploy.plan.stages import PipelineStage, stage_params, stages
 
 GB = 1e9
 # Optimizer CPU offload as the engine builds it (stepdeploy/workload/model_chunks.py): megatron-core's
@@ -96,7 +96,7 @@ def overlap(gpu: float, host: float) -> float:
     return (gpu**HOST_OVERLAP_P + host**HOST_OVERLAP_P) ** (1 / HOST_OVERLAP_P)
 
 
-def host_seconds(stage: Stage, layout: Layout, world: int) -> float:
+def host_seconds(stage: PipelineStage, layout: Layout, world: int) -> float:
     """Host time of one micro-batch on one stage (see HOST_S_PER_LAYER)."""
     moe = HOST_S_PER_LAYER["moe_grouped" if layout.grouped_experts else "moe_sequential"]
     per_layer = [moe if layer.shape.ffn == "moe" else HOST_S_PER_LAYER["dense"] for layer in stage.layers]
@@ -123,7 +123,7 @@ def _collective_seconds(bytes_moved: float, ranks: int, busbw_gbps: float) -> fl
     return bytes_moved * (ranks - 1) / ranks / (busbw_gbps * GB)
 
 
-def _microbatch_comm(job: Job, layout: Layout, cluster: ClusterShape, stage: Stage, overlap: float) -> float:
+def _microbatch_comm(job: Job, layout: Layout, cluster: ClusterShape, stage: PipelineStage, overlap: float) -> float:
     spec, shards = job.model, token_shards(job.seq_length, layout)
     row = spec.hidden_size * BF16
     layers = len(stage.layers)
@@ -152,7 +152,7 @@ def _microbatch_comm(job: Job, layout: Layout, cluster: ClusterShape, stage: Sta
     return tp + ep + cp * (1 - overlap) + p2p * (1 - overlap)
 
 
-def _grad_sync(params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: Stage,
+def _grad_sync(params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: PipelineStage,
                overlap: float) -> float:
     """The part of the gradients' reduction (fp32 reduce-scatter, or an fp32 all-reduce without the distributed
     optimizer) and of the parameters' bf16 all-gather that compute does not hide. The reduction overlaps the last
@@ -172,7 +172,7 @@ def _grad_sync(params: ParamCount, job: Job, layout: Layout, cluster: ClusterSha
 
 
 def _optimizer_step(
-    params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: Stage
+    params: ParamCount, job: Job, layout: Layout, cluster: ClusterShape, stage: PipelineStage
 ) -> float:
     held = stage_params(params, stage, layout)
     shards = (job.dp(layout) * layout.cp, job.edp(layout)) if layout.distributed_optimizer else (1, 1)

@@ -14,7 +14,8 @@ from stepdeploy.preflight.model import NodeOutput
 from stepdeploy.remote.transport import Channel, describe, each
 
 
-def probe_node(target: Channel, spec: probe.ProbeSpec, timeout_s: float, now: Callable[[], float]) -> NodeOutput:
+def probe_node(target: Channel, spec: probe.PreflightProbeSpec, timeout_s: float,
+               now: Callable[[], float]) -> NodeOutput:
     started = time.monotonic()
     out = NodeOutput(node=target.name)
     before = now()
@@ -34,7 +35,7 @@ def probe_node(target: Channel, spec: probe.ProbeSpec, timeout_s: float, now: Ca
     return out
 
 
-def probe_all(targets: Sequence[Channel], specs: dict[str, probe.ProbeSpec], timeout_s: float,
+def probe_all(targets: Sequence[Channel], specs: dict[str, probe.PreflightProbeSpec], timeout_s: float,
               now: Callable[[], float] = time.time) -> dict[str, NodeOutput]:
     """Run the probe everywhere; unreachable or hung nodes come back as NodeOutput(error=...)."""
     answers = each(targets, lambda t: probe_node(t, specs[t.name], timeout_s, now), timeout_s + 15)

@@ -253,7 +253,9 @@ def check_disk(section: Section, min_gib: float, checkpoint_dir: str, why: str |
 
 
 @dataclass(frozen=True)
-class IbPort:
+class IbPortLink:
+    """How one RDMA port is set up, as the preflight probe reads it once (the monitor's IbPort: its counters)."""
+
     device: str
     port: str
     state: str
@@ -264,12 +266,12 @@ class IbPort:
     gid3: str
 
 
-def parse_ib_ports(text: str) -> list[IbPort]:
+def parse_ib_ports(text: str) -> list[IbPortLink]:
     ports = []
     for line in text.splitlines():
         fields = line.split("|")
         if len(fields) == 8:
-            ports.append(IbPort(*fields))
+            ports.append(IbPortLink(*fields))
     return ports
 
 

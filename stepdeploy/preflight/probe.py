@@ -75,7 +75,7 @@ done
 
 
 @dataclass(frozen=True)
-class ProbeSpec:
+class PreflightProbeSpec:
     """What a node is asked. `pythons`: interpreters tried in order (the first that exists is used)."""
 
     train_iface: str | None = None
@@ -92,7 +92,7 @@ def python_command(pythons: tuple[str, ...]) -> str:
             f"exec \"$p\" -I -c {shlex.quote(PYTHON_ENV)}; fi; done; echo 'no python found'; exit 127")
 
 
-def commands(spec: ProbeSpec) -> dict[str, str]:
+def commands(spec: PreflightProbeSpec) -> dict[str, str]:
     """Section name -> POSIX shell command."""
     iface = shlex.quote(spec.train_iface or "")
     ckpt = shlex.quote(spec.checkpoint_dir)
@@ -115,12 +115,12 @@ def commands(spec: ProbeSpec) -> dict[str, str]:
     }
 
 
-def script(spec: ProbeSpec) -> str:
+def script(spec: PreflightProbeSpec) -> str:
     """The whole probe: every section framed by markers, each under its own timeout."""
     return sections.script(MARK, commands(spec), spec.section_timeout_s)
 
 
-def remote_command(spec: ProbeSpec) -> str:
+def remote_command(spec: PreflightProbeSpec) -> str:
     """A one-line command that runs the probe under sh wherever the login shell is (no quoting issues)."""
     return sections.remote_command(script(spec))
 

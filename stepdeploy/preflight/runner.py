@@ -125,7 +125,7 @@ def run(nodes: Sequence[Node], profile: StackProfile | None, opts: Options, *,
     by_name = {n.name: n for n in nodes}
     targets = {n.name: transport.channel_for(n, local=opts.local) for n in nodes}
     pythons = (opts.python,) if opts.python else probe.DEFAULT_PYTHONS
-    specs = {n.name: probe.ProbeSpec(train_iface=n.train_iface, checkpoint_dir=opts.checkpoint_dir,
+    specs = {n.name: probe.PreflightProbeSpec(train_iface=n.train_iface, checkpoint_dir=opts.checkpoint_dir,
                                      pythons=pythons, section_timeout_s=int(max(5, opts.timeout_s - 5)))
              for n in nodes}
     try:

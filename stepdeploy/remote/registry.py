@@ -6,7 +6,8 @@ Each executor is a module with one constructor, imported only when it is used (l
 
 `manifest` is the rendered run's manifest, `cluster` the inventory that reaches its nodes, `local_run` the
 rendered directory on the controller (an executor may keep its own bookkeeping there, as slurm keeps its job
-ids), `on_event` where the executor's events go. A fourth executor is one such module and one line below.
+ids), `on_event` where the executor's events go. A fourth executor is one such module, `<name>_executor.py`, and
+its name in executor_kinds.py.
 
 Which executor drives a run (`kind_for`): slurm for a run rendered for Slurm (it needs its sbatch.sh), else the
 one asked for (`--executor`), else the one the run was rendered for, else local when the inventory says every
@@ -21,19 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from stepdeploy.errors import BadInput
+from stepdeploy.executor_kinds import DEFAULT_EXECUTOR, EXECUTOR_HELP, EXECUTOR_KINDS
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.remote.executor import EventSink, Executor, no_events
 from stepdeploy.remote.transport import is_local
 from stepdeploy.render.manifest import Manifest
 
-EXECUTORS = {
-    "fabric": "stepdeploy.remote.fabric_executor",  # SSH to every node (the default)
-    "slurm": "stepdeploy.remote.slurm_executor",  # one sbatch job; the nodes over SSH for files and proofs
-    "local": "stepdeploy.remote.local_executor",  # this machine, no SSH
-}
-KINDS = tuple(EXECUTORS)
-DEFAULT = "fabric"
-HELP = "fabric (SSH), slurm (sbatch) or local (this machine, no SSH)"
+# fabric_executor: SSH to every node (the default); slurm_executor: one sbatch job, the nodes over SSH for files
+# and proofs; local_executor: this machine, no SSH. The names are executor_kinds.py's, declared once there.
+EXECUTORS = {kind: f"stepdeploy.remote.{kind}_executor" for kind in EXECUTOR_KINDS}
+KINDS = EXECUTOR_KINDS
+DEFAULT = DEFAULT_EXECUTOR
+HELP = EXECUTOR_HELP
 
 
 def check_kind(kind: str | None, option: str = "--executor") -> str | None:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from stepdeploy.errors import BadInput
-from stepdeploy.inventory.model import EXECUTOR_KINDS
+from stepdeploy.executor_kinds import EXECUTOR_HELP, EXECUTOR_KINDS
 
 NODE_PYTHON = "/opt/stepdeploy/venv/bin/python"
 REMOTE_RUNS = "/var/lib/stepdeploy/runs"
@@ -72,7 +72,7 @@ class RenderOptions:
     extra_env: tuple[tuple[str, str], ...] = ()
     peak_tflops: float | None = None  # for MFU; None: the catalog's measured or derated peak
     threads_per_rank: int | None = None  # OMP_NUM_THREADS on CPU nodes
-    executor: str | None = None  # fabric | slurm (adds sbatch.sh); None: the inventory's, else fabric
+    executor: str | None = None  # an EXECUTOR_KINDS name (slurm adds sbatch.sh); None: the inventory's, else fabric
     data: str | None = None  # a dataset `stepdeploy data prepare` wrote (local prefix); None: synthetic tokens
     warmup_iterations: int | None = None  # None: a tenth of the iterations
     decay_iterations: int | None = None  # the cosine decay's end (None: the iterations)
@@ -89,8 +89,8 @@ class RenderOptions:
             raise BadInput(f"learning rate {self.lr} must be a positive finite number")
         if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
             raise BadInput(f"peak TFLOP/s {self.peak_tflops} must be a positive finite number")
-        if self.executor is not None and self.executor not in EXECUTOR_KINDS:  # remote/registry.py's names
-            raise BadInput(f"unknown executor {self.executor!r}; use fabric or slurm, or local (this machine)")
+        if self.executor is not None and self.executor not in EXECUTOR_KINDS:
+            raise BadInput(f"unknown executor {self.executor!r}; use {EXECUTOR_HELP}")
         if self.rendezvous not in ("static", "c10d"):
             raise BadInput(f"unknown rendezvous {self.rendezvous!r}; use static or c10d")
         unknown = [name for name in self.seed_options if name not in SEED_OPTIONS]

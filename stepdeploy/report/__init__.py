@@ -10,8 +10,8 @@ from importlib import import_module
 from typing import Any
 
 from stepdeploy.report.summary import (
-    GateVerdict,
     KeyFigures,
+    RecordedVerdict,
     RunData,
     RungFigures,
     StageSummary,
@@ -31,9 +31,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'stepdeploy.report' has no attribute {name!r}")
 
 __all__ = [
-    "GateVerdict",
     "KeyFigures",
     "Plot",
+    "RecordedVerdict",
     "RunData",
     "RungFigures",
     "StageSummary",

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
-from stepdeploy.ledger import Ledger, Stage
+from stepdeploy.ledger import Ledger, StageRow
 from stepdeploy.ledger_schema import LEDGER_HINT, NotALedger
 from stepdeploy.monitor.parse_workload import LAYER_METRICS, METRIC_NAMES, MTP_LOSS
 from stepdeploy.report import query
@@ -38,7 +38,7 @@ class RunData:
     """What the report reads of one run: its rows, and its metrics as report/query.py aggregates them."""
 
     run: dict[str, Any]
-    stages: list[Stage]
+    stages: list[StageRow]
     rungs: dict[str, list[dict[str, Any]]]
     attempts: list[dict[str, Any]]
     verdicts: list[dict[str, Any]]
@@ -137,7 +137,9 @@ class StageSummary:
 
 
 @dataclass(frozen=True)
-class GateVerdict:
+class RecordedVerdict:
+    """One gate verdict as the ledger recorded it (rollout/gates.py's GateVerdict, with when and where)."""
+
     ts: float
     stage: str
     rung: str
@@ -172,7 +174,7 @@ class Summary:
     updated: float
     config: dict[str, Any]
     stages: list[StageSummary]
-    gates: list[GateVerdict]
+    gates: list[RecordedVerdict]
     figures: KeyFigures
     events: list[dict[str, Any]]
     goodput: dict[str, Any] | None = None  # the soak's last `goodput` event (rollout/goodput.py), None before
@@ -192,7 +194,7 @@ def is_fault(event: dict[str, Any]) -> bool:
 
 def summarise(data: RunData) -> Summary:
     stages = [_stage(data, stage) for stage in data.stages]
-    gates = [GateVerdict(v["ts"], v["stage"], v["rung"], v["gate"], v["passed"], v["measured"], v["threshold"],
+    gates = [RecordedVerdict(v["ts"], v["stage"], v["rung"], v["gate"], v["passed"], v["measured"], v["threshold"],
                          v["reason"]) for v in data.verdicts]
     run = data.run
     return Summary(run["id"], run["status"], run["created"], run["updated"], run["config"], stages, gates,
@@ -288,7 +290,7 @@ def _listed(values: dict[str, float], labels: dict[str, str]) -> str:
     return ", ".join(f"{labels[k]} {values[k]:.1f} s" for k in labels if values.get(k)) or "none"
 
 
-def stage_span(data: RunData, stage: Stage) -> tuple[float | None, float | None]:
+def stage_span(data: RunData, stage: StageRow) -> tuple[float | None, float | None]:
     """First start to last finish: a resumed stage's `started` is its latest start, attempts keep the first."""
     attempts = [a for a in data.attempts if a["stage"] == stage.name]
     starts = [t for t in [stage.started, *(a["started"] for a in attempts)] if t is not None]
@@ -299,7 +301,7 @@ def stage_span(data: RunData, stage: Stage) -> tuple[float | None, float | None]
     return min(starts, default=None), end
 
 
-def _stage(data: RunData, stage: Stage) -> StageSummary:
+def _stage(data: RunData, stage: StageRow) -> StageSummary:
     started, finished = stage_span(data, stage)
     wall = finished - started if started is not None and finished is not None else None
     return StageSummary(stage.name, stage.status, stage.reason, started, stage.finished, wall,

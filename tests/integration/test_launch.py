@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stepdeploy.cli.run import executor_for
+from stepdeploy.cli.run import executor_for_run_dir
 from stepdeploy.remote.executor import LogCursor, RunStatus
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.render import RenderOptions
@@ -62,7 +62,7 @@ def no_run_processes(executor: FabricExecutor) -> None:
 
 def test_train_across_two_nodes_loss_falls_and_logs_stream(sdrun: SimConfig, tmp_path: Path) -> None:
     run = rendered(sdrun, tmp_path, "falls-1", iterations=24)
-    with executor_for(run, None) as executor:
+    with executor_for_run_dir(run, None) as executor:
         assert all(r.ok for r in executor.prepare(run)), "upload failed"
         assert all(r.ok for r in executor.prepare(run)), "a second upload of the same rendering must be a no-op"
         assert all(r.ok for r in executor.start())
@@ -95,7 +95,7 @@ def test_run_outlives_its_controller_and_stop_leaves_nothing(sdrun: SimConfig, t
                                   timeout=120)
     assert launched.returncode == 0, launched.stdout + launched.stderr
     # The launching controller is gone (its SSH sessions with it); a new one finds the run training.
-    with executor_for(run, None) as executor:
+    with executor_for_run_dir(run, None) as executor:
         status = wait(executor, lambda s: all((r.iteration or 0) >= 2 for r in s.ranks) and len(s.ranks) == 2, 120)
         assert status.running and all(n.state == "running" for n in status.nodes)
         started = time.monotonic()
@@ -111,7 +111,7 @@ def test_run_outlives_its_controller_and_stop_leaves_nothing(sdrun: SimConfig, t
 
 def test_killed_rank_is_named_and_its_peer_exits_within_the_timeout(sdrun: SimConfig, tmp_path: Path) -> None:
     run = rendered(sdrun, tmp_path, "kill-1", iterations=100000)
-    with executor_for(run, None) as executor:
+    with executor_for_run_dir(run, None) as executor:
         assert all(r.ok for r in executor.prepare(run))
         assert all(r.ok for r in executor.start())
         status = wait(executor, lambda s: len(s.ranks) == 2 and all((r.iteration or 0) >= 2 for r in s.ranks), 120)
@@ -138,10 +138,11 @@ def test_a_changed_host_key_on_one_node_leaves_every_node_unwritten(sdrun: SimCo
     upload used to write node1 as root before node2 was refused; every node must be reached first."""
     run = rendered(sdrun, tmp_path, "hostkey-1", iterations=10)
     inventory = swapped_host_key_inventory(sdrun, tmp_path)
-    with executor_for(run, str(inventory)) as executor:
+    with executor_for_run_dir(run, str(inventory)) as executor:
         results = {r.node: r for r in executor.prepare(run)}
     assert not any(r.ok for r in results.values()), results
     assert "nothing written" in results["node1"].detail and "node2" in results["node1"].detail
-    with executor_for(run, None) as honest:  # the real known_hosts: look on node1 for anything of the upload
+    # the real known_hosts: look on node1 for anything of the upload
+    with executor_for_run_dir(run, None) as honest:
         found = honest.targets[0].channel.run(f"ls -d {honest.run_dir}* 2>/dev/null | wc -l")
     assert found.rc == 0 and found.stdout.strip() == "0", found.stdout

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stepdeploy.cli.run import executor_for
+from stepdeploy.cli.run import executor_for_run_dir
 from stepdeploy.ledger import Ledger
 from stepdeploy.remote.executor import LogCursor
 from stepdeploy.remote.local_executor import LocalExecutor
@@ -62,7 +62,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def test_train_loss_falls_logs_stream_fetch_and_stop(tmp_path: Path) -> None:
     run = rendered(tmp_path, "local-falls", iterations=24)
-    with executor_for(run, None) as executor:
+    with executor_for_run_dir(run, None) as executor:
         assert isinstance(executor, LocalExecutor)  # chosen for the ansible_connection=local inventory
         assert all(r.ok for r in executor.prepare(run)), "upload failed"
         assert all(r.ok for r in executor.prepare(run)), "a second upload of the same rendering must be a no-op"
@@ -95,7 +95,7 @@ def test_run_outlives_its_controller_and_stop_leaves_nothing(tmp_path: Path) -> 
     launched = cli("run", "launch", str(run))
     assert launched.returncode == 0, launched.stdout + launched.stderr
     # The launching controller is gone; a new one (a fresh shell) finds the run training.
-    with executor_for(run, None) as executor:
+    with executor_for_run_dir(run, None) as executor:
         status = wait(executor, lambda s: all((r.iteration or 0) >= 2 for r in s.ranks) and len(s.ranks) == 2, 120)
         assert status.running and all(n.state == "running" for n in status.nodes)
         listed = cli("run", "status", str(run), "--json")
@@ -113,7 +113,7 @@ def test_run_outlives_its_controller_and_stop_leaves_nothing(tmp_path: Path) -> 
 
 def test_killed_rank_is_named_and_its_peer_exits_within_the_timeout(tmp_path: Path) -> None:
     run = rendered(tmp_path, "local-kill", iterations=100000)
-    with executor_for(run, None) as executor:
+    with executor_for_run_dir(run, None) as executor:
         assert all(r.ok for r in executor.prepare(run))
         assert all(r.ok for r in executor.start())
         status = wait(executor, lambda s: len(s.ranks) == 2 and all((r.iteration or 0) >= 2 for r in s.ranks), 120)
@@ -150,7 +150,7 @@ def test_executor_local_runs_here_an_inventory_host_reached_over_ssh_otherwise(t
     assert cli("run", "status", str(run), "--executor", "local").returncode == 1  # not started: a failed run
     launched = cli("run", "launch", str(run), "--executor", "local")
     assert launched.returncode == 0, launched.stdout + launched.stderr
-    with executor_for(run, None, executor="local") as executor:
+    with executor_for_run_dir(run, None, executor="local") as executor:
         wait(executor, lambda s: len(s.ranks) == 2 and all((r.iteration or 0) >= 1 for r in s.ranks), 120)
         [environ] = executor.run_command("cat /proc/$(cat nodes/0-box/launch.pid)/environ | tr '\\0' '\\n'")
         assert "STEPDEPLOY_RUN_ID=local-flag" in environ.stdout and "PYTHONPATH=" not in environ.stdout

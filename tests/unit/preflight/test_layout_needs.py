@@ -122,4 +122,4 @@ def test_check_needs_judges_each_needed_package_with_its_own_check_and_fails_an_
 
 def test_the_rollouts_python_command_is_the_probes_python_section() -> None:
     pythons = ("/opt/stepdeploy/venv/bin/python",)
-    assert probe.python_command(pythons) == probe.commands(probe.ProbeSpec(pythons=pythons))["python"]
+    assert probe.python_command(pythons) == probe.commands(probe.PreflightProbeSpec(pythons=pythons))["python"]

@@ -16,7 +16,7 @@ from stepdeploy.workload import nccl_bench
 
 
 def test_probe_sections_round_trip_through_sh() -> None:
-    spec = probe.ProbeSpec(pythons=("/nonexistent/python",), section_timeout_s=5)
+    spec = probe.PreflightProbeSpec(pythons=("/nonexistent/python",), section_timeout_s=5)
     res = subprocess.run(["sh", "-c", probe.remote_command(spec)], capture_output=True, text=True, timeout=60)
     sections = probe.split(res.stdout)
     assert set(sections) == set(probe.commands(spec))
@@ -25,7 +25,7 @@ def test_probe_sections_round_trip_through_sh() -> None:
 
 
 def test_a_hung_command_is_cut_by_its_own_timeout() -> None:
-    spec = probe.ProbeSpec(section_timeout_s=1)
+    spec = probe.PreflightProbeSpec(section_timeout_s=1)
     text = probe.script(spec).replace("uname -s -r -m", "sleep 30")
     res = subprocess.run(["sh", "-c", text], capture_output=True, text=True, timeout=60)
     assert probe.split(res.stdout)["uname"].rc == 124

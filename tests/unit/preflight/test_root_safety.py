@@ -51,7 +51,7 @@ def test_probe_python_ignores_modules_planted_in_the_working_directory(tmp_path:
     marker = tmp_path / "PWNED"
     (tmp_path / "platform.py").write_text(PLANT.format(marker=str(marker)))
     monkeypatch.chdir(tmp_path)  # `preflight --local` runs the probe where the user stands (/tmp, say)
-    command = probe.commands(probe.ProbeSpec(pythons=(sys.executable,)))["python"]
+    command = probe.commands(probe.PreflightProbeSpec(pythons=(sys.executable,)))["python"]
     res = LocalChannel("local").run(command, 120)
     assert not marker.exists(), "the probe imported a module from its working directory"
     assert json.loads(res.stdout)["python"] == ".".join(map(str, sys.version_info[:3]))

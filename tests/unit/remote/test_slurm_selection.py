@@ -55,7 +55,8 @@ def test_no_executor_variable_means_fabric(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ("stepdeploy_executor=k8s", "stepdeploy_executor = 'k8s' is not a known value; use one of fabric, slurm"),
+    ("stepdeploy_executor=k8s",
+     "stepdeploy_executor = 'k8s' is not a known value; use one of fabric, local, slurm"),
     ("stepdeploy_slurm_tasks=rank", "stepdeploy_slurm_tasks = 'rank' is not a known value; use one of gpu, node"),
     ("stepdeploy_slurm_partition='a b'", "is not a Slurm partition name"),
     ("stepdeploy_slurm_controller='no;such host'", "is not an address"),
@@ -95,7 +96,8 @@ def test_the_option_overrides_the_inventory_both_ways() -> None:
 
 
 def test_an_unknown_executor_option_is_refused() -> None:
-    with pytest.raises(BadInput, match="unknown executor 'k8s'; use fabric or slurm"):
+    with pytest.raises(BadInput, match=r"unknown executor 'k8s'; use fabric \(SSH\), slurm \(sbatch\) "
+                                       r"or local \(this machine, no SSH\)"):
         RenderOptions(run_id="x", executor="k8s")
 
 
@@ -150,8 +152,8 @@ def test_job_events_reach_the_rollouts_ledger_through_the_callers_callback(tmp_p
         slurm.on_event("slurm job 5 submitted (sd-warmup-sel)", {"job_id": "5"})
     [event] = [e for e in ledger.events("r1") if e["kind"] == "slurm"]
     assert event["message"] == "slurm job 5 submitted (sd-warmup-sel)" and event["stage"] == "warmup"
-    from stepdeploy.cli.run import executor_for as run_executor
+    from stepdeploy.cli.run import executor_for_run_dir
 
-    with run_executor(tmp_path / "attempts" / "a1", str(inventory(tmp_path, ""))) as plain:
+    with executor_for_run_dir(tmp_path / "attempts" / "a1", str(inventory(tmp_path, ""))) as plain:
         plain.on_event("not recorded", {})
     assert [e["message"] for e in ledger.events("r1") if e["kind"] == "slurm"] == [event["message"]]

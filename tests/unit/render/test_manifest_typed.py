@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from stepdeploy.errors import BadInput
+from stepdeploy.executor_kinds import EXECUTOR_KINDS
 from stepdeploy.inventory import load_cluster
-from stepdeploy.inventory.model import EXECUTOR_KINDS
 from stepdeploy.remote import registry
 from stepdeploy.render import RenderOptions
 from stepdeploy.render.build import build, write_run
