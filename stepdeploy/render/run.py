@@ -27,7 +27,7 @@ from stepdeploy.plan import engines
 from stepdeploy.plan.layout import Layout
 from stepdeploy.render import sbatch, templating
 from stepdeploy.render.environment import NodeFacts, node_environment
-from stepdeploy.render.manifest import Manifest
+from stepdeploy.render.manifest import Manifest, ManifestFile, ManifestNode, Needs
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, choose_engine, workload_config
 
@@ -78,13 +78,10 @@ class RenderedRun:
     placements: tuple[Placement, ...]
     notes: tuple[str, ...]
     workload: dict[str, Any]
+    manifest: Manifest  # what manifest.json (among `files`) holds
 
     def file(self, path: str) -> RenderedFile:
         return next(f for f in self.files if f.path == path)
-
-    @property
-    def manifest(self) -> Manifest:
-        return Manifest.from_text(self.file("manifest.json").text)
 
 
 def node_dir(rank: int, name: str) -> str:
@@ -157,38 +154,34 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
         notes.append(f"layout {layout.short()} needs on every node: {'; '.join(needs)}; `rollout run` verifies it "
                      f"before each launch (now: stepdeploy preflight INVENTORY --model {spec.name} --layout "
                      f"{layout.short()})")
-    manifest = _manifest(opts, inputs, created, version, files, placements, notes, layout, engine, facts or {})
-    if needs:  # what the nodes need beyond the stock stack, and the interpreter the launch runs it with
-        manifest |= {"needs": {"software": needs, "python": opts.python}}
+    # what the nodes need beyond the stock stack, and the interpreter the launch runs it with
+    more: dict[str, Any] = {"needs": Needs(software=needs, python=opts.python)} if needs else {}
     if slurm:
-        manifest |= sbatch.manifest_entry(cluster, opts, nproc)
+        more |= {"executor": "slurm", "slurm": sbatch.slurm_entry(cluster, opts, nproc)}
     elif kind == "local":  # the run is driven on this machine, also by a later `run`/`rollout stop`
-        manifest |= {"executor": "local"}
-    Manifest.of(manifest)  # typed as every reader will load it, before it is written
-    files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest),
+        more |= {"executor": "local"}
+    manifest = Manifest(
+        format=1, run_id=opts.run_id, created=created, stepdeploy=version, engine=engine, layout=layout.short(),
+        stage=opts.stage, run_dir=opts.run_dir, inputs=inputs, nodes=_nodes(placements, facts or {}),
+        files=[_entry(f) for f in files], notes=list(notes), **more)
+    files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest.to_json()),
                               "manifest.json.j2"))
-    return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload)
+    return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload, manifest)
 
 
-def _manifest(opts: RenderOptions, inputs: dict[str, Any], created: str, version: str,
-              files: list[RenderedFile], placements: tuple[Placement, ...], notes: list[str], layout: Layout,
-              engine: str, facts: dict[str, NodeFacts]) -> dict[str, Any]:
-    return {
-        "format": 1,
-        "run_id": opts.run_id,
-        "created": created,
-        "stepdeploy": version,
-        "engine": engine,
-        "layout": layout.short(),
-        "stage": opts.stage,
-        "run_dir": opts.run_dir,
-        "inputs": inputs,
-        "nodes": [{"name": p.node.name, "address": p.node.address, "node_rank": p.node_rank, "dir": p.node_dir,
-                   **_facts_entry(facts.get(p.node.name))} for p in placements],
-        "files": [{"path": f.path, "sha256": f.sha256, "from": _origin(f), "template_sha256":
-                   templating.template_sha256(f.template) if f.template else None, "node": f.node} for f in files],
-        "notes": notes,
-    }
+def _nodes(placements: tuple[Placement, ...], facts: dict[str, NodeFacts]) -> list[ManifestNode]:
+    nodes = []
+    for p in placements:
+        source = facts.get(p.node.name)  # only facts read from a file: renders without facts stay as they were
+        fed = {"facts": {"path": source.source, "sha256": source.sha256}} if source and source.source else {}
+        nodes.append(ManifestNode(name=p.node.name, address=p.node.address, node_rank=p.node_rank, dir=p.node_dir,
+                                  **fed))
+    return nodes
+
+
+def _entry(item: RenderedFile) -> ManifestFile:
+    return ManifestFile(path=item.path, sha256=item.sha256, origin=_origin(item), node=item.node,
+                        template_sha256=templating.template_sha256(item.template) if item.template else None)
 
 
 def _origin(item: RenderedFile) -> str:
@@ -209,10 +202,3 @@ def check_dataset(dataset: Corpus, spec: ModelSpec) -> None:
     if dataset.padded_vocab > spec.vocab_size:
         raise BadInput(f"{dataset.prefix}: its tokenizer's {dataset.vocab} ids, padded to {dataset.padded_vocab} as "
                        f"Megatron pads them, do not fit {spec.name}'s vocabulary of {spec.vocab_size}", hint=hint)
-
-
-def _facts_entry(facts: NodeFacts | None) -> dict[str, Any]:
-    """The facts file that fed a node (only for facts read from a file: renders without facts stay as they were)."""
-    if facts is None or facts.source is None:
-        return {}
-    return {"facts": {"path": facts.source, "sha256": facts.sha256}}
