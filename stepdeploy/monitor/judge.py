@@ -8,7 +8,7 @@ down was reset (driver reload, reboot): its delta is its new value.
 
 from __future__ import annotations
 
-from stepdeploy.monitor.model import Finding, GpuSample, IbPort, NetDev, NodeSample, Severity, MonitorLimits
+from stepdeploy.monitor.model import Finding, GpuSample, IbPort, MonitorLimits, NetDev, NodeSample, Severity
 from stepdeploy.monitor.parse_gpu import gpu_for_xid
 from stepdeploy.monitor.parse_host import (
     CARRIER_DOWN,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from statistics import mean, median
 
-from stepdeploy.monitor.model import Finding, MetricsRow, NodeSample, Severity, MonitorLimits
+from stepdeploy.monitor.model import Finding, MetricsRow, MonitorLimits, NodeSample, Severity
 from stepdeploy.monitor.parse_workload import finite
 
 HANG_FIX = ("py-spy dump --pid <pid> on the stuck rank (or its peers, if it waits in a collective); the run "

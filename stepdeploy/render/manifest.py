@@ -20,6 +20,7 @@ from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import ExecutorKind
 
 HINT = "stepdeploy render -i INVENTORY -m MODEL --out runs/r1"  # where the manifest does not say what it was
+MANIFEST_FILE = "manifest.json"
 
 
 def render_hint(data: Any, run_dir: Path) -> str:
@@ -97,7 +98,7 @@ class Manifest(_Entry):
     @classmethod
     def load(cls, run_dir: Path) -> Manifest:
         """The manifest of the run directory `run_dir`, checked; BadInput naming the file and the first problem."""
-        path = run_dir / "manifest.json"
+        path = run_dir / MANIFEST_FILE
         if not run_dir.is_dir():
             raise BadInput(f"{run_dir}: not a directory; give a run directory written by `stepdeploy render`",
                            hint=HINT)
@@ -118,6 +119,11 @@ class Manifest(_Entry):
         if problem:
             raise BadInput(f"{path}: {problem}; render the run again", hint=render_hint(data, run_dir))
         return manifest
+
+    @staticmethod
+    def written(run_dir: Path) -> bool:
+        """Whether `run_dir` holds a manifest file (is a run directory render wrote, as far as a look tells)."""
+        return (run_dir / MANIFEST_FILE).is_file()
 
     @classmethod
     def of(cls, value: Manifest | Mapping[str, Any]) -> Manifest:

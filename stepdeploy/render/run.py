@@ -27,7 +27,7 @@ from stepdeploy.plan import engines
 from stepdeploy.plan.layout import Layout
 from stepdeploy.render import sbatch, templating
 from stepdeploy.render.environment import NodeFacts, node_environment
-from stepdeploy.render.manifest import Manifest, ManifestFile, ManifestNode, Needs
+from stepdeploy.render.manifest import MANIFEST_FILE, Manifest, ManifestFile, ManifestNode, Needs
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, choose_engine, workload_config
 
@@ -164,7 +164,7 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
         format=1, run_id=opts.run_id, created=created, stepdeploy=version, engine=engine, layout=layout.short(),
         stage=opts.stage, run_dir=opts.run_dir, inputs=inputs, nodes=_nodes(placements, facts or {}),
         files=[_entry(f) for f in files], notes=list(notes), **more)
-    files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest.to_json()),
+    files.append(RenderedFile(MANIFEST_FILE, templating.render("manifest.json.j2", manifest=manifest.to_json()),
                               "manifest.json.j2"))
     return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload, manifest)
 

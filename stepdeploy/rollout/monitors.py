@@ -16,7 +16,7 @@ from typing import Any
 
 from stepdeploy.monitor import classify, judge, probe, prometheus, training
 from stepdeploy.monitor.classify import Classification
-from stepdeploy.monitor.model import Finding, NodeSample, Severity, MonitorLimits
+from stepdeploy.monitor.model import Finding, MonitorLimits, NodeSample, Severity
 from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, Executor, RunStatus
 from stepdeploy.render.manifest import Manifest
 

@@ -81,5 +81,6 @@ def _new_attempt(service: AttemptService, stage: str, rung: Rung, iterations: in
     local = service.run_dir / "attempts" / f"{stage}-{rung.name}-a{number}"
     opts = service.render_options(stage, rung, iterations, f"{service.run_id}-{stage}-{rung.name}-a{number}")
     summary = service.render(rung, opts, local)
-    attempt = service.start_attempt(stage, rung.name, {"local_run": str(local), "rung": rung.as_dict(), "plan": summary})
+    attempt = service.start_attempt(stage, rung.name,
+                                    {"local_run": str(local), "rung": rung.as_dict(), "plan": summary})
     return attempt, local, summary, False

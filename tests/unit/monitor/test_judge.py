@@ -4,7 +4,7 @@ GPU/port/interface; a steady pair of samples raises nothing (the false-alarm tes
 from __future__ import annotations
 
 from stepdeploy.monitor.judge import judge_node
-from stepdeploy.monitor.model import Severity, MonitorLimits
+from stepdeploy.monitor.model import MonitorLimits, Severity
 
 from . import faults
 

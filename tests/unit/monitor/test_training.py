@@ -3,7 +3,7 @@ a steady run raises nothing."""
 
 from __future__ import annotations
 
-from stepdeploy.monitor.model import Severity, MonitorLimits
+from stepdeploy.monitor.model import MonitorLimits, Severity
 from stepdeploy.monitor.training import judge_training
 
 from . import faults
