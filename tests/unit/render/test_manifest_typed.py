@@ -134,5 +134,5 @@ def test_workload_json_is_read_back_typed(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "run" / "workload.json").read_text())
     data["training"]["warmup_iterations"] = "3"
     (tmp_path / "run" / "workload.json").write_text(json.dumps(data))
-    with pytest.raises(BadInput, match="training.warmup_iterations"):
+    with pytest.raises(BadInput, match=r"training\.warmup_iterations"):
         Workload.load(tmp_path / "run")

@@ -22,9 +22,9 @@ STILL_HANDED_THE_LEDGER = {("soak.py", "_watch")}
 def _ledger_uses(path: Path) -> set[tuple[str, str]]:
     found = set()
     for function in ast.walk(ast.parse(path.read_text())):
-        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
-            if any(isinstance(n, ast.Attribute) and n.attr == "ledger" for n in ast.walk(function)):
-                found.add((path.relative_to(STAGES_DIR).as_posix(), function.name))
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+                isinstance(n, ast.Attribute) and n.attr == "ledger" for n in ast.walk(function)):
+            found.add((path.relative_to(STAGES_DIR).as_posix(), function.name))
     return found
 
 
