@@ -30,6 +30,7 @@ from stepdeploy.render.environment import NodeFacts, node_environment
 from stepdeploy.render.manifest import MANIFEST_FILE, Manifest, ManifestFile, ManifestNode, Needs
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, choose_engine, workload_config
+from stepdeploy.render.workload_file import WORKLOAD_FILE
 
 DATASET_PATH = "data/corpus"  # where a run directory holds its prepared dataset (.bin, .idx)
 WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatron_ckpt.py", "megatron_writer.py",
@@ -122,28 +123,16 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
         workload["data"] = dataset.corpus.workload_entry(DATASET_PATH)
         data_files = [RenderedFile(f"{DATASET_PATH}{suffix}", "", blob=blob) for suffix, blob in dataset.blobs.items()]
     placements = tuple(Placement(node, rank, node_dir(rank, node.name)) for rank, node in enumerate(cluster.nodes))
-    files = [RenderedFile("workload.json", templating.render("workload.json.j2", workload=workload),
+    files = [RenderedFile(WORKLOAD_FILE, templating.render("workload.json.j2", workload=workload),
                           "workload.json.j2")]
     files += [RenderedFile(f"workload/{name}", text) for name, text in sorted(workload_sources.items())]
     files += data_files
-    notes: list[str] = []
     common = {"version": version, "run_id": opts.run_id, "run_dir": opts.run_dir, "nnodes": len(cluster.nodes),
               "nproc_per_node": nproc, "python": opts.python, "rendezvous": opts.rendezvous,
               "master_addr": cluster.nodes[0].address, "master_port": opts.master_port,
               "max_restarts": opts.max_restarts}
-    for place in placements:
-        if facts is not None and place.node.name not in facts:
-            notes.append(f"{place.node.name}: no NCCL facts saved by provisioning; its interface and HCAs come "
-                         "from the inventory (stepdeploy provision saves them)")
-        env, node_notes = node_environment(place.node, place.node_rank, layout, opts,
-                                           (facts or {}).get(place.node.name))
-        notes += [n for n in node_notes if n not in notes]
-        values = {**common, "node": place.node, "node_rank": place.node_rank, "node_dir": place.node_dir,
-                  "environment": env}
-        files.append(RenderedFile(f"{place.node_dir}/env.sh", templating.render("env.sh.j2", **values),
-                                  "env.sh.j2", node=place.node.name))
-        files.append(RenderedFile(place.launch_script, templating.render("launch.sh.j2", **values),
-                                  "launch.sh.j2", executable=True, node=place.node.name))
+    node_files, notes = _node_files(placements, common, layout, opts, facts)
+    files += node_files
     kind = sbatch.executor_kind(cluster, opts)
     slurm = kind == "slurm"
     if slurm:
@@ -167,6 +156,27 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
     files.append(RenderedFile(MANIFEST_FILE, templating.render("manifest.json.j2", manifest=manifest.to_json()),
                               "manifest.json.j2"))
     return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload, manifest)
+
+
+def _node_files(placements: tuple[Placement, ...], common: dict[str, Any], layout: Layout, opts: RenderOptions,
+                facts: dict[str, NodeFacts] | None) -> tuple[list[RenderedFile], list[str]]:
+    """Each node's env.sh and launch.sh, and the notes on what its environment came from (each said once)."""
+    files: list[RenderedFile] = []
+    notes: list[str] = []
+    for place in placements:
+        if facts is not None and place.node.name not in facts:
+            notes.append(f"{place.node.name}: no NCCL facts saved by provisioning; its interface and HCAs come "
+                         "from the inventory (stepdeploy provision saves them)")
+        env, node_notes = node_environment(place.node, place.node_rank, layout, opts,
+                                           (facts or {}).get(place.node.name))
+        notes += [n for n in node_notes if n not in notes]
+        values = {**common, "node": place.node, "node_rank": place.node_rank, "node_dir": place.node_dir,
+                  "environment": env}
+        files.append(RenderedFile(f"{place.node_dir}/env.sh", templating.render("env.sh.j2", **values),
+                                  "env.sh.j2", node=place.node.name))
+        files.append(RenderedFile(place.launch_script, templating.render("launch.sh.j2", **values),
+                                  "launch.sh.j2", executable=True, node=place.node.name))
+    return files, notes
 
 
 def _nodes(placements: tuple[Placement, ...], facts: dict[str, NodeFacts]) -> list[ManifestNode]:
