@@ -9,9 +9,10 @@ nodes, the ledger's verdicts and the live view.
     judge    write gate verdicts, each one a gate the stage declared      (UndeclaredGate otherwise)
     record   the verdicts and the attempt's end (passed or failed)        (GateFailed on a failed gate)
 
-and the stage's own bookkeeping, each a named call on the ledger of this rollout (a stage never holds the ledger):
-its attempts (start_attempt, finish_attempt, attempts), its rungs (add_rungs, rung_states, set_rung), its events
-(event, events) and when it first started (stage_started).
+and the stage's own bookkeeping, each a named call on the ledger of this rollout (no stage calls the ledger; the soak
+still hands it to inject.Injector, which records its firings itself): its attempts (start_attempt, finish_attempt,
+attempts), its rungs (add_rungs, rung_states, set_rung), its events (event, events) and when it first started
+(stage_started).
 
 The stages (rollout/stages/) are peers over it: warmup, scale and soak each call these and nothing of one
 another's. The service knows no stage: it sits below them and above the executors and the ledger."""
