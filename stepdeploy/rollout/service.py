@@ -118,8 +118,8 @@ class AttemptService:
     def finish_attempt(self, attempt: int, status: str, detail: dict[str, Any]) -> None:
         self.ledger.finish_attempt(attempt, status, detail)
 
-    def attempts(self, stage: str, rung: str | None = None) -> list[dict[str, Any]]:
-        """The stage's attempts so far, oldest first (of `rung` only, when given)."""
+    def attempts(self, stage: str | None, rung: str | None = None) -> list[dict[str, Any]]:
+        """The stage's attempts so far (every stage's: None), oldest first (of `rung` only, when given)."""
         return [a for a in self.ledger.attempts(self.run_id, stage) if rung is None or a["rung"] == rung]
 
     def add_rungs(self, stage: str, rungs: list[Rung]) -> None:
