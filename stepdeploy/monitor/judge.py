@@ -8,7 +8,7 @@ down was reset (driver reload, reboot): its delta is its new value.
 
 from __future__ import annotations
 
-from stepdeploy.monitor.model import Finding, GpuSample, IbPort, NetDev, NodeSample, Severity, Thresholds
+from stepdeploy.monitor.model import Finding, GpuSample, IbPort, MonitorLimits, NetDev, NodeSample, Severity
 from stepdeploy.monitor.parse_gpu import gpu_for_xid
 from stepdeploy.monitor.parse_host import (
     CARRIER_DOWN,
@@ -30,9 +30,9 @@ def delta(before: int | None, after: int | None) -> int:
     return after if after < before else after - before
 
 
-def judge_node(prev: NodeSample, cur: NodeSample, limits: Thresholds | None = None) -> list[Finding]:
+def judge_node(prev: NodeSample, cur: NodeSample, limits: MonitorLimits | None = None) -> list[Finding]:
     """What changed for the worse on one node between two of its samples."""
-    limits = limits or Thresholds()
+    limits = limits or MonitorLimits()
     found = [*_gpus(prev, cur), *_xids(prev, cur), *_ib(prev, cur), *_netdevs(prev, cur, limits),
              *_host(prev, cur, limits), *_unreadable(prev, cur)]
     return [Finding(f.kind, f.severity, f.subject, f.message, cur.node, f.fix) for f in found]
@@ -116,7 +116,7 @@ def _ib(prev: NodeSample, cur: NodeSample) -> list[Finding]:
     return found
 
 
-def _netdev_pair(before: NetDev, after: NetDev, limits: Thresholds) -> list[Finding]:
+def _netdev_pair(before: NetDev, after: NetDev, limits: MonitorLimits) -> list[Finding]:
     found = []
     if before.operstate == "up" and after.operstate != "up":
         found.append(Finding("link", FAIL, after.name, f"interface {before.operstate} -> {after.operstate}",
@@ -134,7 +134,7 @@ def _netdev_pair(before: NetDev, after: NetDev, limits: Thresholds) -> list[Find
     return found
 
 
-def _netdevs(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[Finding]:
+def _netdevs(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Finding]:
     now = {d.name: d for d in cur.netdevs}
     found = []
     for before in prev.netdevs:
@@ -145,7 +145,7 @@ def _netdevs(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[Find
     return found
 
 
-def _memory_low(sample: NodeSample, limits: Thresholds) -> float | None:
+def _memory_low(sample: NodeSample, limits: MonitorLimits) -> float | None:
     total, available = sample.meminfo_kib.get("MemTotal"), sample.meminfo_kib.get("MemAvailable")
     if not total or available is None:
         return None
@@ -153,7 +153,7 @@ def _memory_low(sample: NodeSample, limits: Thresholds) -> float | None:
     return share if share < limits.host_memory_min_available else None
 
 
-def _disk_level(sample: NodeSample, limits: Thresholds) -> int:
+def _disk_level(sample: NodeSample, limits: MonitorLimits) -> int:
     disk = sample.disk
     if disk is None or not disk.total_bytes:
         return 0
@@ -161,7 +161,7 @@ def _disk_level(sample: NodeSample, limits: Thresholds) -> int:
     return 2 if free < limits.disk_min_free / 5 else 1 if free < limits.disk_min_free else 0
 
 
-def _host(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[Finding]:
+def _host(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Finding]:
     found = []
     share = _memory_low(cur, limits)
     if share is not None and _memory_low(prev, limits) is None:

@@ -137,8 +137,9 @@ class NodeSample:
 
 
 @dataclass(frozen=True)
-class Thresholds:
-    """The judgements' limits (docs/monitoring.md explains each default)."""
+class MonitorLimits:
+    """The limits the monitors judge a node's samples by, live (docs/monitoring.md explains each default); not the
+    rollout's gates, which judge an attempt when it ends (rollout/gates.py Thresholds)."""
 
     heartbeat_timeout_s: float = 180.0  # nvidia-resiliency-ext's Megatron example: step section timeout
     loss_spike_factor: float = 3.0  # a loss above k x the running median of the previous losses

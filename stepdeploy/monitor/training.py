@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from statistics import mean, median
 
-from stepdeploy.monitor.model import Finding, MetricsRow, NodeSample, Severity, Thresholds
+from stepdeploy.monitor.model import Finding, MetricsRow, MonitorLimits, NodeSample, Severity
 from stepdeploy.monitor.parse_workload import finite
 
 HANG_FIX = ("py-spy dump --pid <pid> on the stuck rank (or its peers, if it waits in a collective); the run "
@@ -16,8 +16,8 @@ NAN_FIX = ("restart from the last checkpoint, with a lower learning rate or long
            "batch at that iteration and bf16 overflow (loss scale)")
 
 
-def judge_training(prev: NodeSample, cur: NodeSample, limits: Thresholds | None = None) -> list[Finding]:
-    limits = limits or Thresholds()
+def judge_training(prev: NodeSample, cur: NodeSample, limits: MonitorLimits | None = None) -> list[Finding]:
+    limits = limits or MonitorLimits()
     found = [*_hangs(prev, cur, limits), *_losses(prev, cur, limits), *_grad_norms(prev, cur, limits),
              *_stragglers(prev, cur, limits)]
     return [Finding(f.kind, f.severity, f.subject, f.message, cur.node, f.fix) for f in found]
@@ -29,7 +29,7 @@ def heartbeat_ages(sample: NodeSample) -> dict[int, float]:
     return {b.rank: sample.time - b.time for b in sample.heartbeats if b.rank not in stopped}
 
 
-def _hangs(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[Finding]:
+def _hangs(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Finding]:
     before, timeout = heartbeat_ages(prev), limits.heartbeat_timeout_s
     found = []
     for rank, age in sorted(heartbeat_ages(cur).items()):
@@ -56,7 +56,7 @@ def _iterations(rows: list[MetricsRow]) -> str:
     return shown + (f" (+{len(rows) - 5} more)" if len(rows) > 5 else "")
 
 
-def _losses(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[Finding]:
+def _losses(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Finding]:
     bad, spikes = [], []
     for position, row in new_rows(prev, cur):
         if row.loss is None:
@@ -80,7 +80,7 @@ def _losses(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[Findi
     return found
 
 
-def _grad_norms(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[Finding]:
+def _grad_norms(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Finding]:
     rows = [r for _, r in new_rows(prev, cur) if r.grad_norm is not None]
     bad = [r for r in rows if not finite(r.grad_norm)]
     high = [r for r in rows if finite(r.grad_norm) and r.grad_norm > limits.grad_norm_max]  # type: ignore[operator]
@@ -96,7 +96,7 @@ def _grad_norms(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[F
     return found
 
 
-def _stragglers(prev: NodeSample, cur: NodeSample, limits: Thresholds) -> list[Finding]:
+def _stragglers(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Finding]:
     rows = [r for _, r in new_rows(prev, cur) if r.rank_step_time_s]
     world = len(rows[0].rank_step_time_s) if rows else 0
     rows = [r for r in rows if len(r.rank_step_time_s) == world]

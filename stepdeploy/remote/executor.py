@@ -140,6 +140,7 @@ class Executor(Protocol):
     per node and never raises across nodes; `targets=` narrows a call to some of them."""
 
     kind: str  # its name in the registry
+    poll_interval_s: float  # how often a rollout polls it: a poll's cost (RolloutConfig.poll_interval_s overrides)
     run_id: str
     run_dir: str  # where the run lives on its nodes
     targets: list[Target]

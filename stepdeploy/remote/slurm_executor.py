@@ -45,6 +45,7 @@ def _error(exc: BaseException) -> str:
 
 class SlurmExecutor:
     kind = "slurm"
+    poll_interval_s = 2.0  # a poll is SSH round trips to the controller and every node, as NodeExecutor's
 
     def __init__(self, run_id: str, run_dir: str, targets: Iterable[Target], controller: Endpoint, *,
                  job_name: str, script: str = "sbatch.sh", jobs_file: Path | None = None,

@@ -1,12 +1,13 @@
-"""The manifest.json of a rendered run, typed: `Manifest.load(run_dir)` reads it back for `stepdeploy run ...`,
-the rollout and the executors, which act on what it names (node directories, the remote run directory, the Slurm
-job). A broken file, one another tool wrote or one edited into something else is refused with one line before
-anything connects or runs: the file must meet the schema render writes (`_OnDisk`), then the code reads it
-through `Manifest` (the fields it uses, typed)."""
+"""The manifest.json of a rendered run, typed: one schema (`Manifest`) that render builds and writes, and that
+`stepdeploy run ...`, the rollout and the executors read back (`Manifest.load(run_dir)`) and act on (node
+directories, the remote run directory, the Slurm job). A broken file, one another tool wrote or one edited into
+something else is refused with one line before anything connects or runs.
+
+The file is written as the model dumps it (`to_json`: the keys render set, in the schema's order, unknown keys
+a later stepdeploy wrote kept), so a manifest read and written again is the same file."""
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import ExecutorKind
 
 HINT = "stepdeploy render -i INVENTORY -m MODEL --out runs/r1"  # where the manifest does not say what it was
+MANIFEST_FILE = "manifest.json"
 
 
 def render_hint(data: Any, run_dir: Path) -> str:
@@ -34,101 +36,107 @@ def render_hint(data: Any, run_dir: Path) -> str:
     return shlex.join(["stepdeploy", "render", "-i", path, "-m", name, "--out", f"{run_dir.resolve()}-2"])
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class _Entry(BaseModel):
+    """Strict (render wrote it: no coercion), frozen, and keeping keys a later stepdeploy may add."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True, populate_by_name=True)
 
 
-class _Node(_Open):
+class ManifestNode(_Entry):
     name: str = Field(min_length=1, max_length=253)
-    dir: str = Field(pattern=r"^nodes/[0-9]{1,6}-[A-Za-z0-9._-]{1,40}$")  # render.run.node_dir
-
-
-class _Slurm(_Open):
-    script: Literal["sbatch.sh"]
-    job_name: str = Field(pattern=r"^sd-[a-z]+-[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    tasks: Literal["node", "gpu"]
-    tasks_per_node: int = Field(ge=1, le=4096)
-    partition: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class _Needs(_Open):
-    software: list[str] = Field(min_length=1, max_length=64)  # plan/engines.needs: 'package: why'
-    python: str = Field(min_length=1, max_length=4096)  # the interpreter the launch runs: quoted where used
-
-
-class _OnDisk(_Open):
-    """What a manifest file must be (strict: render wrote it)."""
-
-    format: Literal[1]
-    run_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # render.options.RUN_ID
-    run_dir: str = Field(pattern=r"^/", max_length=4096)  # any characters: it is quoted wherever it is used
-    nodes: list[_Node] = Field(min_length=1, max_length=100_000)
-    inputs: dict[str, Any]
-    executor: ExecutorKind | None = None
-    slurm: _Slurm | None = None
-    needs: _Needs | None = None
-
-
-class ManifestNode(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    name: str
-    dir: str  # relative to the run directory: nodes/<rank>-<name>
     address: str | None = None
     node_rank: int | None = None
+    dir: str = Field(pattern=r"^nodes/[0-9]{1,6}-[A-Za-z0-9._-]{1,40}$")  # render.run.node_dir
     facts: dict[str, Any] | None = None  # the NCCL facts file that fed the node: {path, sha256}
 
 
-class SlurmEntry(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
+class ManifestFile(_Entry):
+    """One rendered file: its hash, where it came from (a template, the workload code, a data prepare)."""
 
-    script: str
-    job_name: str
-    tasks: Literal["node", "gpu"] | None = None
-    tasks_per_node: int | None = None
-    partition: str | None = None
+    path: str  # relative to the run directory
+    sha256: str
+    origin: str = Field(alias="from")
+    template_sha256: str | None = None
+    node: str | None = None  # the node it is started on (None: every node's)
 
 
-class Needs(BaseModel):
+class Needs(_Entry):
     """What the run's layout needs on every node beyond the stock stack (plan/engines.needs, each 'package: why'),
     and the python the launch runs: the rollout checks it there before each launch (rollout/stages/needs.py)."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    software: list[str]
-    python: str
+    software: list[str] = Field(min_length=1, max_length=64)
+    python: str = Field(min_length=1, max_length=4096)  # the interpreter the launch runs: quoted where used
 
 
-class Manifest(BaseModel):
-    """A rendered run's manifest, as the code reads it (render/run.py writes it; unknown keys are kept)."""
+class SlurmEntry(_Entry):
+    script: Literal["sbatch.sh"]
+    job_name: str = Field(pattern=r"^sd-[a-z]+-[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # render.sbatch.job_name
+    tasks: Literal["node", "gpu"] | None = None
+    tasks_per_node: int | None = Field(default=None, ge=1, le=4096)
+    partition: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
-    model_config = ConfigDict(extra="allow", frozen=True)
 
-    run_id: str
-    run_dir: str  # absolute, on every node
-    nodes: list[ManifestNode] = Field(min_length=1)
-    inputs: dict[str, Any] = Field(default_factory=dict)
-    executor: ExecutorKind | None = None  # None: decided by remote/registry.py
-    slurm: SlurmEntry | None = None
-    stage: str | None = None
+class Manifest(_Entry):
+    """A rendered run's manifest (render/run.py builds it; fields in the order the file has them)."""
+
+    format: Literal[1] = 1
+    run_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # render.options.RUN_ID
+    created: str | None = None
+    stepdeploy: str | None = None  # the version that rendered it
     engine: str | None = None
     layout: str | None = None
+    stage: str | None = None
+    run_dir: str = Field(pattern=r"^/", max_length=4096)  # absolute on every node; quoted wherever it is used
+    inputs: dict[str, Any] = Field(default_factory=dict)  # what it was rendered from (inventory, model, rung...)
+    nodes: list[ManifestNode] = Field(min_length=1, max_length=100_000)
+    files: list[ManifestFile] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
     needs: Needs | None = None  # None: the stock stack runs it
+    executor: ExecutorKind | None = None  # None: decided by remote/registry.py
+    slurm: SlurmEntry | None = None
 
     @classmethod
     def load(cls, run_dir: Path) -> Manifest:
         """The manifest of the run directory `run_dir`, checked; BadInput naming the file and the first problem."""
-        return cls.model_validate(_checked(run_dir))
+        path = run_dir / MANIFEST_FILE
+        if not run_dir.is_dir():
+            raise BadInput(f"{run_dir}: not a directory; give a run directory written by `stepdeploy render`",
+                           hint=HINT)
+        if not path.exists() and not path.is_symlink():
+            raise BadInput(f"{run_dir}: no manifest.json; give a directory written by `stepdeploy render`", hint=HINT)
+        data = safeio.read_json(path, "run manifest", hint=HINT)
+        if isinstance(data, dict) and "format" not in data:  # render always writes it (a default only in memory)
+            raise BadInput(f"{path}: format: Field required; not a manifest `stepdeploy render` wrote",
+                           hint=render_hint(data, run_dir))
+        try:
+            manifest = cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+            raise BadInput(f"{path}: {where}: {first['msg']}; not a manifest `stepdeploy render` wrote",
+                           hint=render_hint(data, run_dir)) from None
+        problem = manifest.problem()
+        if problem:
+            raise BadInput(f"{path}: {problem}; render the run again", hint=render_hint(data, run_dir))
+        return manifest
+
+    @staticmethod
+    def written(run_dir: Path) -> bool:
+        """Whether `run_dir` holds a manifest file (is a run directory render wrote, as far as a look tells)."""
+        return (run_dir / MANIFEST_FILE).is_file()
 
     @classmethod
     def of(cls, value: Manifest | Mapping[str, Any]) -> Manifest:
-        """`value` as a Manifest (a mapping: a manifest held in memory, e.g. one just rendered)."""
+        """`value` as a Manifest (a mapping: a manifest held in memory, e.g. one a test writes)."""
         return value if isinstance(value, Manifest) else cls.model_validate(dict(value))
 
-    @classmethod
-    def from_text(cls, text: str) -> Manifest:
-        """The manifest render_run produced (its manifest.json file's text)."""
-        return cls.model_validate(json.loads(text))
+    def problem(self) -> str | None:
+        """What is wrong across its fields (None: nothing): render never writes such a manifest."""
+        if self.executor == "slurm" and self.slurm is None:
+            return "executor slurm without its slurm section"
+        if len(set(self.node_names)) != len(self.nodes):
+            return "names a node twice"
+        return None
 
     @property
     def node_names(self) -> list[str]:
@@ -148,28 +156,5 @@ class Manifest(BaseModel):
         return source["path"]
 
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_none=True)
-
-
-def _checked(run_dir: Path) -> dict[str, Any]:
-    """The manifest file of `run_dir` as render wrote it (the _OnDisk schema and the checks across fields)."""
-    path = run_dir / "manifest.json"
-    if not run_dir.is_dir():
-        raise BadInput(f"{run_dir}: not a directory; give a run directory written by `stepdeploy render`", hint=HINT)
-    if not path.exists() and not path.is_symlink():
-        raise BadInput(f"{run_dir}: no manifest.json; give a directory written by `stepdeploy render`", hint=HINT)
-    data = safeio.read_json(path, "run manifest", hint=HINT)
-    try:
-        manifest = _OnDisk.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        raise BadInput(f"{path}: {where}: {first['msg']}; not a manifest `stepdeploy render` wrote",
-                       hint=render_hint(data, run_dir)) from None
-    if manifest.executor == "slurm" and manifest.slurm is None:
-        raise BadInput(f"{path}: executor slurm without its slurm section; render the run again",
-                       hint=render_hint(data, run_dir))
-    names = [node.name for node in manifest.nodes]
-    if len(set(names)) != len(names):
-        raise BadInput(f"{path}: names a node twice; render the run again", hint=render_hint(data, run_dir))
-    return data
+        """The manifest as its file holds it: the keys that were set (a null render wrote stays), `from` by name."""
+        return self.model_dump(mode="json", exclude_unset=True, by_alias=True)

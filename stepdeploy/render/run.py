@@ -27,9 +27,10 @@ from stepdeploy.plan import engines
 from stepdeploy.plan.layout import Layout
 from stepdeploy.render import sbatch, templating
 from stepdeploy.render.environment import NodeFacts, node_environment
-from stepdeploy.render.manifest import Manifest
+from stepdeploy.render.manifest import MANIFEST_FILE, Manifest, ManifestFile, ManifestNode, Needs
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, choose_engine, workload_config
+from stepdeploy.render.workload_file import WORKLOAD_FILE
 
 DATASET_PATH = "data/corpus"  # where a run directory holds its prepared dataset (.bin, .idx)
 WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatron_ckpt.py", "megatron_writer.py",
@@ -78,13 +79,10 @@ class RenderedRun:
     placements: tuple[Placement, ...]
     notes: tuple[str, ...]
     workload: dict[str, Any]
+    manifest: Manifest  # what manifest.json (among `files`) holds
 
     def file(self, path: str) -> RenderedFile:
         return next(f for f in self.files if f.path == path)
-
-    @property
-    def manifest(self) -> Manifest:
-        return Manifest.from_text(self.file("manifest.json").text)
 
 
 def node_dir(rank: int, name: str) -> str:
@@ -125,15 +123,46 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
         workload["data"] = dataset.corpus.workload_entry(DATASET_PATH)
         data_files = [RenderedFile(f"{DATASET_PATH}{suffix}", "", blob=blob) for suffix, blob in dataset.blobs.items()]
     placements = tuple(Placement(node, rank, node_dir(rank, node.name)) for rank, node in enumerate(cluster.nodes))
-    files = [RenderedFile("workload.json", templating.render("workload.json.j2", workload=workload),
+    files = [RenderedFile(WORKLOAD_FILE, templating.render("workload.json.j2", workload=workload),
                           "workload.json.j2")]
     files += [RenderedFile(f"workload/{name}", text) for name, text in sorted(workload_sources.items())]
     files += data_files
-    notes: list[str] = []
     common = {"version": version, "run_id": opts.run_id, "run_dir": opts.run_dir, "nnodes": len(cluster.nodes),
               "nproc_per_node": nproc, "python": opts.python, "rendezvous": opts.rendezvous,
               "master_addr": cluster.nodes[0].address, "master_port": opts.master_port,
               "max_restarts": opts.max_restarts}
+    node_files, notes = _node_files(placements, common, layout, opts, facts)
+    files += node_files
+    kind = sbatch.executor_kind(cluster, opts)
+    slurm = kind == "slurm"
+    if slurm:
+        files.append(RenderedFile(sbatch.SBATCH_SCRIPT, sbatch.render_sbatch(cluster, opts, placements, common, nproc),
+                                  "sbatch.sh.j2", executable=True))
+    needs = engines.needs(spec, layout) if engine == "megatron" else []
+    if needs:
+        notes.append(f"layout {layout.short()} needs on every node: {'; '.join(needs)}; `rollout run` verifies it "
+                     f"before each launch (now: stepdeploy preflight INVENTORY --model {spec.name} --layout "
+                     f"{layout.short()})")
+    # what the nodes need beyond the stock stack, and the interpreter the launch runs it with
+    more: dict[str, Any] = {"needs": Needs(software=needs, python=opts.python)} if needs else {}
+    if slurm:
+        more |= {"executor": "slurm", "slurm": sbatch.slurm_entry(cluster, opts, nproc)}
+    elif kind == "local":  # the run is driven on this machine, also by a later `run`/`rollout stop`
+        more |= {"executor": "local"}
+    manifest = Manifest(
+        format=1, run_id=opts.run_id, created=created, stepdeploy=version, engine=engine, layout=layout.short(),
+        stage=opts.stage, run_dir=opts.run_dir, inputs=inputs, nodes=_nodes(placements, facts or {}),
+        files=[_entry(f) for f in files], notes=list(notes), **more)
+    files.append(RenderedFile(MANIFEST_FILE, templating.render("manifest.json.j2", manifest=manifest.to_json()),
+                              "manifest.json.j2"))
+    return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload, manifest)
+
+
+def _node_files(placements: tuple[Placement, ...], common: dict[str, Any], layout: Layout, opts: RenderOptions,
+                facts: dict[str, NodeFacts] | None) -> tuple[list[RenderedFile], list[str]]:
+    """Each node's env.sh and launch.sh, and the notes on what its environment came from (each said once)."""
+    files: list[RenderedFile] = []
+    notes: list[str] = []
     for place in placements:
         if facts is not None and place.node.name not in facts:
             notes.append(f"{place.node.name}: no NCCL facts saved by provisioning; its interface and HCAs come "
@@ -147,48 +176,22 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
                                   "env.sh.j2", node=place.node.name))
         files.append(RenderedFile(place.launch_script, templating.render("launch.sh.j2", **values),
                                   "launch.sh.j2", executable=True, node=place.node.name))
-    kind = sbatch.executor_kind(cluster, opts)
-    slurm = kind == "slurm"
-    if slurm:
-        files.append(RenderedFile(sbatch.SBATCH_SCRIPT, sbatch.render_sbatch(cluster, opts, placements, common, nproc),
-                                  "sbatch.sh.j2", executable=True))
-    needs = engines.needs(spec, layout) if engine == "megatron" else []
-    if needs:
-        notes.append(f"layout {layout.short()} needs on every node: {'; '.join(needs)}; `rollout run` verifies it "
-                     f"before each launch (now: stepdeploy preflight INVENTORY --model {spec.name} --layout "
-                     f"{layout.short()})")
-    manifest = _manifest(opts, inputs, created, version, files, placements, notes, layout, engine, facts or {})
-    if needs:  # what the nodes need beyond the stock stack, and the interpreter the launch runs it with
-        manifest |= {"needs": {"software": needs, "python": opts.python}}
-    if slurm:
-        manifest |= sbatch.manifest_entry(cluster, opts, nproc)
-    elif kind == "local":  # the run is driven on this machine, also by a later `run`/`rollout stop`
-        manifest |= {"executor": "local"}
-    Manifest.of(manifest)  # typed as every reader will load it, before it is written
-    files.append(RenderedFile("manifest.json", templating.render("manifest.json.j2", manifest=manifest),
-                              "manifest.json.j2"))
-    return RenderedRun(opts.run_id, opts.run_dir, tuple(files), placements, tuple(notes), workload)
+    return files, notes
 
 
-def _manifest(opts: RenderOptions, inputs: dict[str, Any], created: str, version: str,
-              files: list[RenderedFile], placements: tuple[Placement, ...], notes: list[str], layout: Layout,
-              engine: str, facts: dict[str, NodeFacts]) -> dict[str, Any]:
-    return {
-        "format": 1,
-        "run_id": opts.run_id,
-        "created": created,
-        "stepdeploy": version,
-        "engine": engine,
-        "layout": layout.short(),
-        "stage": opts.stage,
-        "run_dir": opts.run_dir,
-        "inputs": inputs,
-        "nodes": [{"name": p.node.name, "address": p.node.address, "node_rank": p.node_rank, "dir": p.node_dir,
-                   **_facts_entry(facts.get(p.node.name))} for p in placements],
-        "files": [{"path": f.path, "sha256": f.sha256, "from": _origin(f), "template_sha256":
-                   templating.template_sha256(f.template) if f.template else None, "node": f.node} for f in files],
-        "notes": notes,
-    }
+def _nodes(placements: tuple[Placement, ...], facts: dict[str, NodeFacts]) -> list[ManifestNode]:
+    nodes = []
+    for p in placements:
+        source = facts.get(p.node.name)  # only facts read from a file: renders without facts stay as they were
+        fed = {"facts": {"path": source.source, "sha256": source.sha256}} if source and source.source else {}
+        nodes.append(ManifestNode(name=p.node.name, address=p.node.address, node_rank=p.node_rank, dir=p.node_dir,
+                                  **fed))
+    return nodes
+
+
+def _entry(item: RenderedFile) -> ManifestFile:
+    return ManifestFile(path=item.path, sha256=item.sha256, origin=_origin(item), node=item.node,
+                        template_sha256=templating.template_sha256(item.template) if item.template else None)
 
 
 def _origin(item: RenderedFile) -> str:
@@ -209,10 +212,3 @@ def check_dataset(dataset: Corpus, spec: ModelSpec) -> None:
     if dataset.padded_vocab > spec.vocab_size:
         raise BadInput(f"{dataset.prefix}: its tokenizer's {dataset.vocab} ids, padded to {dataset.padded_vocab} as "
                        f"Megatron pads them, do not fit {spec.name}'s vocabulary of {spec.vocab_size}", hint=hint)
-
-
-def _facts_entry(facts: NodeFacts | None) -> dict[str, Any]:
-    """The facts file that fed a node (only for facts read from a file: renders without facts stay as they were)."""
-    if facts is None or facts.source is None:
-        return {}
-    return {"facts": {"path": facts.source, "sha256": facts.sha256}}

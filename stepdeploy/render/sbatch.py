@@ -13,6 +13,7 @@ from typing import Any
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.render import templating
+from stepdeploy.render.manifest import SlurmEntry
 from stepdeploy.render.options import RenderOptions
 
 SBATCH_SCRIPT = "sbatch.sh"
@@ -52,7 +53,7 @@ def render_sbatch(cluster: Cluster, opts: RenderOptions, placements: tuple[Any, 
         partition=cluster.slurm.partition, placements=placements)
 
 
-def manifest_entry(cluster: Cluster, opts: RenderOptions, nproc: int) -> dict[str, Any]:
-    return {"executor": "slurm",
-            "slurm": {"script": SBATCH_SCRIPT, "job_name": job_name(opts), "tasks": cluster.slurm.tasks,
-                      "tasks_per_node": tasks_per_node(cluster, nproc), "partition": cluster.slurm.partition}}
+def slurm_entry(cluster: Cluster, opts: RenderOptions, nproc: int) -> SlurmEntry:
+    """The manifest's `slurm` section: the script, the job's name (scancel finds it), its tasks and partition."""
+    return SlurmEntry(script=SBATCH_SCRIPT, job_name=job_name(opts), tasks=cluster.slurm.tasks,
+                      tasks_per_node=tasks_per_node(cluster, nproc), partition=cluster.slurm.partition)

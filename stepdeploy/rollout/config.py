@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from stepdeploy.errors import BadInput, StepdeployError
 from stepdeploy.inventory.model import ExecutorKind
+from stepdeploy.remote.executor import Executor
 from stepdeploy.rollout import gates
 from stepdeploy.rollout.stages import STAGES
 
@@ -130,12 +131,9 @@ def parse_checkpoint_interval(text: str) -> int | str:
     return iterations
 
 
-DEFAULT_POLL_INTERVAL_S = 2.0
-
-
-def poll_interval(config: RolloutConfig, executor: Any) -> float:
+def poll_interval(config: RolloutConfig, executor: Executor) -> float:
     """How often the rollout polls the run: the configuration's, else the executor's own (its poll's cost: the local
-    executor's is two local processes, an SSH executor's round trips to every node), else 2 s."""
+    executor's is two local processes, an SSH executor's round trips to every node)."""
     if config.poll_interval_s is not None:
         return config.poll_interval_s
-    return float(getattr(executor, "poll_interval_s", DEFAULT_POLL_INTERVAL_S))
+    return executor.poll_interval_s

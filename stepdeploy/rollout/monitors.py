@@ -16,14 +16,14 @@ from typing import Any
 
 from stepdeploy.monitor import classify, judge, probe, prometheus, training
 from stepdeploy.monitor.classify import Classification
-from stepdeploy.monitor.model import Finding, NodeSample, Severity, Thresholds
+from stepdeploy.monitor.model import Finding, MonitorLimits, NodeSample, Severity
 from stepdeploy.remote.executor import EXIT_COLLECTIVE, EXITED, RUNNING, UNREACHABLE, Executor, RunStatus
 from stepdeploy.render.manifest import Manifest
 
 MAX_FINDING_EVENTS = 20  # per round: a flood (every counter of a flapping port) is summarised, not copied
 
 
-def judge_round(prev: dict[str, NodeSample], current: list[NodeSample], limits: Thresholds) -> list[Finding]:
+def judge_round(prev: dict[str, NodeSample], current: list[NodeSample], limits: MonitorLimits) -> list[Finding]:
     """Findings of one collection round: each node against its previous sample (none on its first)."""
     found: list[Finding] = []
     for cur in current:
@@ -88,7 +88,7 @@ def collective_victims(status: RunStatus) -> list[int]:
 class SoakMonitor:
     """Runs the probe on the run's nodes, keeps each node's previous sample, records what it finds."""
 
-    def __init__(self, executor: Executor, spec: probe.ProbeSpec, textfile: Path, limits: Thresholds,
+    def __init__(self, executor: Executor, spec: probe.ProbeSpec, textfile: Path, limits: MonitorLimits,
                  record: Callable[[str, str, dict[str, Any]], None], interval_s: float) -> None:
         self.executor, self.spec, self.textfile, self.limits = executor, spec, textfile, limits
         self.record, self.interval_s = record, interval_s

@@ -9,6 +9,11 @@ nodes, the ledger's verdicts and the live view.
     judge    write gate verdicts, each one a gate the stage declared      (UndeclaredGate otherwise)
     record   the verdicts and the attempt's end (passed or failed)        (GateFailed on a failed gate)
 
+and the stage's own bookkeeping, each a named call on the ledger of this rollout (no stage calls the ledger; the soak
+still hands it to inject.Injector, which records its firings itself): its attempts (start_attempt, finish_attempt,
+attempts), its rungs (add_rungs, rung_states, set_rung), its events (event, events) and when it first started
+(stage_started).
+
 The stages (rollout/stages/) are peers over it: warmup, scale and soak each call these and nothing of one
 another's. The service knows no stage: it sits below them and above the executors and the ledger."""
 
@@ -93,9 +98,40 @@ class AttemptService:
     def stop_requested(self) -> bool:
         return (self.run_dir / "STOP").exists()
 
+    # --- the stage's bookkeeping in the ledger -----------------------------------------------------------------
     def event(self, stage: str, kind: str, message: str, data: dict[str, Any] | None = None, *,
               rung: str | None = None) -> None:
         self.ledger.event(self.run_id, kind, message, stage=stage, rung=rung, data=data)
+
+    def events(self, stage: str, kind: str | None = None) -> list[dict[str, Any]]:
+        """The stage's events so far, oldest first (of `kind` only, when given)."""
+        return [e for e in self.ledger.events(self.run_id, kind=kind) if e["stage"] == stage]
+
+    def stage_started(self, stage: str) -> float | None:
+        """When the stage first started (kept across controllers: a resumed soak goes on with the same clock)."""
+        return next((s.started for s in self.ledger.stages(self.run_id) if s.name == stage), None)
+
+    def start_attempt(self, stage: str, rung: str, detail: dict[str, Any]) -> int:
+        """A new attempt of the stage's rung, recorded `running` before anything acts; -> its id."""
+        return self.ledger.start_attempt(self.run_id, stage, rung, detail)
+
+    def finish_attempt(self, attempt: int, status: str, detail: dict[str, Any]) -> None:
+        self.ledger.finish_attempt(attempt, status, detail)
+
+    def attempts(self, stage: str | None, rung: str | None = None) -> list[dict[str, Any]]:
+        """The stage's attempts so far (every stage's: None), oldest first (of `rung` only, when given)."""
+        return [a for a in self.ledger.attempts(self.run_id, stage) if rung is None or a["rung"] == rung]
+
+    def add_rungs(self, stage: str, rungs: list[Rung]) -> None:
+        """The stage's rungs, in order (those already recorded keep their state)."""
+        self.ledger.add_rungs(self.run_id, stage, [(rung.name, rung.as_dict()) for rung in rungs])
+
+    def rung_states(self, stage: str) -> dict[str, str]:
+        """Each recorded rung of the stage -> its state (pending, running, passed, failed, skipped, stopped)."""
+        return {row["name"]: row["status"] for row in self.ledger.rungs(self.run_id, stage)}
+
+    def set_rung(self, stage: str, rung: str, status: str, reason: str | None = None) -> None:
+        self.ledger.set_rung(self.run_id, stage, rung, status, reason)
 
     @contextmanager
     def finishes(self, attempt: int) -> Iterator[None]:
@@ -106,7 +142,7 @@ class AttemptService:
         except Exception as exc:
             if any(a["id"] == attempt and a["status"] == "running" for a in self.ledger.attempts(self.run_id)):
                 why = exc.message if isinstance(exc, StepdeployError) else f"{type(exc).__name__}: {exc}"
-                self.ledger.finish_attempt(attempt, "failed", {"why": why})
+                self.finish_attempt(attempt, "failed", {"why": why})
             raise
 
     # --- render -----------------------------------------------------------------------------------------------
@@ -191,8 +227,8 @@ class AttemptService:
         self.judge(stage, rung.name, verdicts, declared)
         failed = [v for v in verdicts if not v.passed]
         last = metrics[-1] if metrics else {}
-        self.ledger.finish_attempt(attempt, "failed" if failed else "passed",
-                                   {"iterations": last.get("iteration"), "final_loss": last.get("loss"),
-                                    "tokens_per_gpu": gates.throughput_per_gpu(metrics, rung.world)})
+        self.finish_attempt(attempt, "failed" if failed else "passed",
+                            {"iterations": last.get("iteration"), "final_loss": last.get("loss"),
+                             "tokens_per_gpu": gates.throughput_per_gpu(metrics, rung.world)})
         if failed:
             raise GateFailed(f"{stage}/{rung.name}: gate {failed[0].gate} failed: {failed[0].reason}", failed[0])

@@ -28,6 +28,8 @@ class FakeTarget:
 class FakeExecutor:
     """The executor protocol (FabricExecutor's methods) over FakeNodes."""
 
+    poll_interval_s = 2.0  # FabricExecutor's: the scripted timings are on the SSH executors' polls
+
     def __init__(self, nodes: FakeNodes, targets: list[FakeTarget], spec: RunSpec) -> None:
         self.world, self.targets, self.spec = nodes, targets, spec
         self.run_id, self.run_dir = spec.run_id, f"/fake/{spec.run_id}"

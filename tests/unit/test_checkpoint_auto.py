@@ -15,6 +15,7 @@ from stepdeploy.ledger import Ledger
 from stepdeploy.plan import checkpoint
 from stepdeploy.rollout import checkpoint_interval
 from stepdeploy.rollout.config import AUTO, RolloutConfig
+from stepdeploy.rollout.service import AttemptService
 from stepdeploy.rollout.stages.soak import SoakSchedule, _record_goodput, _save_interval
 
 CPU_PAIR = "[g]\nnode1 ansible_host=10.90.0.11\nnode2 ansible_host=10.90.0.12\n[g:vars]\nstepdeploy_gpus_per_node=0\n"
@@ -89,13 +90,13 @@ def test_the_config_round_trips_through_the_ledger_json() -> None:
     assert RolloutConfig.from_json(older).mtbf_s is None
 
 
-def _soak_rollout(tmp_path: Path, interval: int | str) -> SimpleNamespace:
+def _soak_rollout(tmp_path: Path, interval: int | str) -> AttemptService:
     (tmp_path / "inv.ini").write_text(CPU_PAIR)
     ledger = Ledger(tmp_path / "ledger.sqlite")
     ledger.create_run("r", {}, ["warmup", "soak"])
     config = RolloutConfig(inventory=str(tmp_path / "inv.ini"), model="tiny-dense", stages=("warmup", "soak"),
                            checkpoint_interval=interval)
-    return SimpleNamespace(ledger=ledger, run_id="r", config=config, cluster=load_cluster(config.inventory))
+    return AttemptService(tmp_path, ledger, "r", config, load_cluster(config.inventory))
 
 
 def _fetched(run: Path, name: str, lines: list[dict]) -> None:

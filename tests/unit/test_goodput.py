@@ -176,12 +176,13 @@ def test_every_poll_updates_the_live_ratio_and_the_view_shows_it() -> None:
 
     from stepdeploy.remote.executor import NodeStatus, RankStatus, RunStatus
     from stepdeploy.rollout.attempt import Live
+    from stepdeploy.rollout.clock import REAL
     from stepdeploy.rollout.stages.soak import Watch
     from stepdeploy.rollout.view import figures
 
     live = Live(stage="soak", rung="target", last={"iteration": 4, "step_time_s": 2.0, "loss": 3.5})
-    r = SimpleNamespace(live=live, config=SimpleNamespace(heartbeat_timeout_s=180.0))
-    watch = Watch(r, _QuietMonitor(), None, LiveGoodput(time.time() - 20.0, []))  # type: ignore[arg-type]
+    service = SimpleNamespace(live=live, config=SimpleNamespace(heartbeat_timeout_s=180.0), clock=REAL)
+    watch = Watch(service, _QuietMonitor(), None, LiveGoodput(time.time() - 20.0, []))  # type: ignore[arg-type]
     healthy = RunStatus((NodeStatus("node1", "running", None, (RankStatus(0, "node1", 7, "running", iteration=4,
                                                                           heartbeat_age_s=1.0),)),))
     assert watch.check(healthy) is None

@@ -91,18 +91,16 @@ def test_cli_refuses_a_bad_inject_before_anything_starts(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_soak_refuses_injections_naming_ranks_or_nodes_the_run_lacks(tmp_path):
-    import json
-
+def test_soak_refuses_injections_naming_ranks_or_nodes_the_run_lacks():
     from stepdeploy.rollout.config import StageFailed
     from stepdeploy.rollout.stages.soak import _check_injections
 
-    (tmp_path / "manifest.json").write_text(json.dumps({"nodes": [{"name": "node1"}, {"name": "node2"}]}))
-    _check_injections(inject.parse_all(["kill:rank=last@1m", "node-loss:node=node2@2m"]), tmp_path, 2)
+    nodes = ["node1", "node2"]  # the run's manifest's
+    _check_injections(inject.parse_all(["kill:rank=last@1m", "node-loss:node=node2@2m"]), nodes, 2)
     with pytest.raises(StageFailed, match="rank 2 does not exist"):
-        _check_injections([inject.parse("hang:rank=2@1m")], tmp_path, 2)
+        _check_injections([inject.parse("hang:rank=2@1m")], nodes, 2)
     with pytest.raises(StageFailed, match="node 3 does not exist"):
-        _check_injections([inject.parse("link-down:node=3@1m")], tmp_path, 2)
+        _check_injections([inject.parse("link-down:node=3@1m")], nodes, 2)
 
 
 def test_soak_monitor_options_reach_the_plan_and_bad_values_exit_2(tmp_path):

@@ -212,6 +212,7 @@ class StubExecutor:
     """Stands in for the nodes: the run 'finishes' at once, and its metrics are the given losses."""
 
     losses: ClassVar[list[float]] = []
+    poll_interval_s = 2.0  # what an executor without its own interval was polled at
 
     def __init__(self, *_args: object) -> None:
         self.targets = [object()]

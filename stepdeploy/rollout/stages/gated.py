@@ -40,7 +40,7 @@ def gated_attempt(service: AttemptService, stage: str, rung: Rung, iterations: i
                                      service.clock.time() + service.config.attempt_timeout_s)
         metrics = service.collect(executor, local, attempt)
         if why == "stop requested":
-            service.ledger.finish_attempt(attempt, "stopped", {"why": "stop requested"})
+            service.finish_attempt(attempt, "stopped", {"why": "stop requested"})
             raise StageStopped(f"{stage}/{rung.name}: stopped on request")
         ok = status.finished_ok and why == "exited"
         culprits = status.culprits() or [why]
@@ -57,7 +57,7 @@ def gated_attempt(service: AttemptService, stage: str, rung: Rung, iterations: i
 def _attempt_for(service: AttemptService, stage: str, rung: Rung, iterations: int
                  ) -> tuple[int, Path, dict[str, Any], bool]:
     """(attempt id, its run directory, the planner's summary, whether it is re-attached)."""
-    mine = [a for a in service.ledger.attempts(service.run_id, stage) if a["rung"] == rung.name]
+    mine = service.attempts(stage, rung.name)
     if mine and mine[-1]["status"] == "running":
         left = mine[-1]
         local = Path(str(left["detail"].get("local_run") or service.run_dir / "attempts" / "missing"))
@@ -65,14 +65,14 @@ def _attempt_for(service: AttemptService, stage: str, rung: Rung, iterations: in
             with service.executor(local) as executor:
                 status = executor.poll()
         except BadInput as exc:  # its run directory is gone or damaged: nothing to re-attach to
-            service.ledger.finish_attempt(left["id"], "failed", {"reason": f"cannot re-attach: {exc.message}"})
+            service.finish_attempt(left["id"], "failed", {"reason": f"cannot re-attach: {exc.message}"})
             return _new_attempt(service, stage, rung, iterations, len(mine) + 1)
         if status.running or status.finished_ok:
             service.event(stage, "attempt", f"{stage}/{rung.name} attempt {left['number']} re-attached",
                           rung=rung.name)
             return left["id"], local, left["detail"].get("plan", {}), True
-        service.ledger.finish_attempt(left["id"], "failed", {"reason": "the controller died and so did the run: "
-                                                             + "; ".join(status.culprits() or ["processes gone"])})
+        service.finish_attempt(left["id"], "failed", {"reason": "the controller died and so did the run: "
+                                                      + "; ".join(status.culprits() or ["processes gone"])})
     return _new_attempt(service, stage, rung, iterations, len(mine) + 1)
 
 
@@ -81,6 +81,6 @@ def _new_attempt(service: AttemptService, stage: str, rung: Rung, iterations: in
     local = service.run_dir / "attempts" / f"{stage}-{rung.name}-a{number}"
     opts = service.render_options(stage, rung, iterations, f"{service.run_id}-{stage}-{rung.name}-a{number}")
     summary = service.render(rung, opts, local)
-    attempt = service.ledger.start_attempt(service.run_id, stage, rung.name,
-                                           {"local_run": str(local), "rung": rung.as_dict(), "plan": summary})
+    attempt = service.start_attempt(stage, rung.name,
+                                    {"local_run": str(local), "rung": rung.as_dict(), "plan": summary})
     return attempt, local, summary, False

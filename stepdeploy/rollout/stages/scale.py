@@ -44,31 +44,31 @@ class Scale:
     name = "scale"
 
     def run(self, service: AttemptService) -> None:
-        config, ledger, run_id = service.config, service.ledger, service.run_id
+        config = service.config
         rungs = scale_ladder(service.cluster, config.model, config.proxy_model)
-        ledger.add_rungs(run_id, self.name, [(r.name, r.as_dict()) for r in rungs])
-        done = {r["name"]: r for r in ledger.rungs(run_id, self.name)}
+        service.add_rungs(self.name, rungs)
+        done = service.rung_states(self.name)
         previous: Previous | None = None
         for rung in rungs:
-            if done[rung.name]["status"] == "passed":
+            if done[rung.name] == "passed":
                 previous = (rung.model, _recorded_throughput(service, rung.name))
                 continue
             if rung.skip_reason:
-                ledger.set_rung(run_id, self.name, rung.name, "skipped", rung.skip_reason)
+                service.set_rung(self.name, rung.name, "skipped", rung.skip_reason)
                 continue
-            ledger.set_rung(run_id, self.name, rung.name, "running")
+            service.set_rung(self.name, rung.name, "running")
             declared = rung_gates(config, rung, previous[0] if previous else None)
             try:
                 metrics = gated_attempt(service, self.name, rung, config.scale_iterations, declared,
                                         lambda m, s, r=rung, p=previous: rung_verdicts(config, r, m, s, p))
             except StageStopped:
-                ledger.set_rung(run_id, self.name, rung.name, "stopped", "stop requested")
+                service.set_rung(self.name, rung.name, "stopped", "stop requested")
                 raise
             except GateFailed as exc:
-                ledger.set_rung(run_id, self.name, rung.name, "failed", exc.verdict.reason)
+                service.set_rung(self.name, rung.name, "failed", exc.verdict.reason)
                 raise
             previous = (rung.model, gates.throughput_per_gpu(metrics, rung.world))
-            ledger.set_rung(run_id, self.name, rung.name, "passed")
+            service.set_rung(self.name, rung.name, "passed")
 
     def plan(self, config: RolloutConfig, cluster: Cluster) -> list[dict[str, Any]]:
         rungs, previous = [], None
@@ -80,8 +80,7 @@ class Scale:
 
 
 def _recorded_throughput(service: AttemptService, rung: str) -> float | None:
-    attempts = service.ledger.attempts(service.run_id, "scale")
-    passed = [a for a in attempts if a["rung"] == rung and a["status"] == "passed"]
+    passed = [a for a in service.attempts("scale", rung) if a["status"] == "passed"]
     return passed[-1]["detail"].get("tokens_per_gpu") if passed else None
 
 

@@ -6,17 +6,17 @@ unreachable, a link went down) or when it ends, classified (crash | hang | link 
 every process of the run stopped on every node and shown to be gone, a lost node waited for, the failed
 ranks' logs diagnosed, the run restarted from its last complete checkpoint (the same run directory: the
 workload resumes from `latest`) up to `soak_max_restarts`; restarts without progress stop the soak early.
-Every step is a ledger event. The soak clock is the stage's first start in the ledger, so a resumed
-controller continues the same soak (and does not fire an injection twice). Time is read from the rollout's
-clock (rollout/clock.py) and the nodes are reached through the attempt service's executors (rollout/service.py),
-so the state machine runs against stepdeploy.testing's scripted executor in a unit test.
+Every step is a ledger event, recorded through the attempt service (rollout/service.py) as the other stages record
+theirs. The soak clock is the stage's first start in the ledger, so a resumed controller continues the same soak
+(and does not fire an injection twice). Time is read from the service's clock (rollout/clock.py) and the nodes are
+reached through its executors, so the state machine runs against stepdeploy.testing's scripted executor in a unit
+test. What the warm-up measured (its step time and start-up) reaches the soak typed (stages/measured.py).
 
 A stop requested while the soak restarts (`rollout stop` between a failure and the next launch, or while a
 lost node is waited for) launches nothing more: the stage ends `stopped`, as a stop during a run does."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,17 +26,18 @@ from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.monitor import classify, diagnose
 from stepdeploy.monitor.classify import Classification
-from stepdeploy.monitor.model import Thresholds
+from stepdeploy.monitor.model import MonitorLimits
 from stepdeploy.remote.executor import Executor, RunStatus
 from stepdeploy.render.manifest import Manifest
+from stepdeploy.render.workload_file import Workload
 from stepdeploy.rollout import checkpoint_interval, gates, goodput, inject, monitors, training_gates
 from stepdeploy.rollout.attempt import read_metrics, read_phases
-from stepdeploy.rollout.clock import REAL, Clock
 from stepdeploy.rollout.config import AUTO, RolloutConfig, StageFailed, StageStopped
 from stepdeploy.rollout.ladder import Rung, target_rung
 from stepdeploy.rollout.service import AttemptService
 from stepdeploy.rollout.stages import needs
-from stepdeploy.rollout.stages.soak_recovery import CLEAR_RANK_FILES, event, recover
+from stepdeploy.rollout.stages.measured import TargetStep
+from stepdeploy.rollout.stages.soak_recovery import CLEAR_RANK_FILES, NAME, recover
 from stepdeploy.rollout.stages.soak_schedule import (  # noqa: F401  (FIXED_SOURCE, MAX_WARMUP: re-exported)
     FIXED_SOURCE,
     MAX_WARMUP,
@@ -57,29 +58,26 @@ class Watch:
     live_goodput: goodput.LiveGoodput
     verdict: Classification | None = None
     detected_at: float | None = None
-    clock: Clock = REAL
 
     def check(self, status: RunStatus) -> str | None:
-        now = self.clock.time()
-        self.live_goodput.observe(self.service.live.last)
-        self.service.live.goodput = self.live_goodput.ratio(now)
+        service = self.service
+        now = service.clock.time()
+        self.live_goodput.observe(service.live.last)
+        service.live.goodput = self.live_goodput.ratio(now)
         if self.injector is not None:
             for line in self.injector.tick(status, now):
-                self.service.live.note(line)
+                service.live.note(line)
         self.monitor.maybe_collect(status, now)
         verdict = monitors.decide(status, monitors.fail_findings(self.monitor.findings),
-                                  self.service.config.heartbeat_timeout_s, self.monitor.proc_states())
+                                  service.config.heartbeat_timeout_s, self.monitor.proc_states())
         if verdict is None:
             return None
-        now = self.clock.time()  # the injection or the monitor round above may have taken a while
+        now = service.clock.time()  # the injection or the monitor round above may have taken a while
         self.verdict, self.detected_at = verdict, now
-        _event(self.service, "detected", f"{verdict.kind} detected on {verdict.node or 'the network'}"
-               + (f" (rank {verdict.rank})" if verdict.rank is not None else "") + f": {verdict.evidence[0]}",
-               {**verdict.to_json(), "time": now, "iteration": monitors.progress_iteration(status)})
+        service.event(NAME, "detected", f"{verdict.kind} detected on {verdict.node or 'the network'}"
+                      + (f" (rank {verdict.rank})" if verdict.rank is not None else "") + f": {verdict.evidence[0]}",
+                      {**verdict.to_json(), "time": now, "iteration": monitors.progress_iteration(status)})
         return f"failure: {verdict.kind}"
-
-
-_event = event
 
 
 FAILURE_GATES = ("no_unrecovered_failure", "progress")  # judged (failed) when restarts run out or stall
@@ -110,20 +108,19 @@ def expert_load_room(model: str, expected: int) -> str | None:
 
 
 class Soak:
-    name = "soak"
+    name = NAME
 
     def run(self, service: AttemptService) -> None:
         """The soak; its goodput is recorded when it ends, passed, failed or stopped."""
         rung = target_rung(service.cluster, service.config.model)
-        stage = next(s for s in service.ledger.stages(service.run_id) if s.name == self.name)
-        soak_started = stage.started or service.clock.time()
+        soak_started = service.stage_started(self.name) or service.clock.time()
         local = _soak_dir(service, rung)
         try:
             _soak(service, rung, local, soak_started)
-        except StageFailed:
-            _record_goodput(service, local, soak_started, service.clock.time())
+        except StageFailed:  # stopped or failed (a controller killed outright records nothing: it resumes)
+            _record_goodput(service, local, soak_started)
             raise
-        _record_goodput(service, local, soak_started, service.clock.time())
+        _record_goodput(service, local, soak_started)
 
     def plan(self, config: RolloutConfig, cluster: Cluster) -> dict[str, Any]:
         plan = {**target_rung(cluster, config.model).as_dict(), "duration_s": config.soak_duration_s,
@@ -143,8 +140,8 @@ class Soak:
         return plan
 
 
-def _declared(r: AttemptService) -> list[str]:
-    return [*soak_gates(r.config.model), *FAILURE_GATES]
+def _declared(service: AttemptService) -> list[str]:
+    return [*soak_gates(service.config.model), *FAILURE_GATES]
 
 
 def _auto_interval(cluster: Cluster, config: RolloutConfig) -> dict[str, Any]:
@@ -159,73 +156,76 @@ def _auto_interval(cluster: Cluster, config: RolloutConfig) -> dict[str, Any]:
                                                  "time the warm-up and scale stages measured"}}
 
 
-def _soak(r: AttemptService, rung: Rung, local: Path, soak_started: float) -> None:
-    deadline = soak_started + r.config.soak_duration_s
-    injections = inject.parse_all(r.config.inject)
-    _check_injections(injections, local, rung.world)
+def _soak(service: AttemptService, rung: Rung, local: Path, soak_started: float) -> None:
+    config = service.config
+    deadline = soak_started + config.soak_duration_s
+    injections = inject.parse_all(config.inject)
+    _check_injections(injections, Manifest.load(local).node_names, rung.world)
     while True:
-        attempts = r.ledger.attempts(r.run_id, "soak")
-        restarts = len(spent_restarts(attempts, _launched(r)))
+        attempts = service.attempts(NAME)
+        restarts = len(spent_restarts(attempts, _launched(service)))
         current = attempts[-1] if attempts and attempts[-1]["status"] == "running" else None
-        alive = current is not None and _alive(r, local)
+        alive = current is not None and _alive(service, local)
         if current is not None and not alive:  # it died while no controller watched: a failure, restart it
-            r.ledger.finish_attempt(current["id"], "failed", {"why": "processes gone while no controller ran"})
+            service.finish_attempt(current["id"], "failed", {"why": "processes gone while no controller ran"})
             continue
-        if current is None and r.stop_requested():  # between a failure and its restart: launch nothing more
+        if current is None and service.stop_requested():  # between a failure and its restart: launch nothing more
             raise StageStopped("soak: stopped on request" + (" before its restart" if restarts else ""))
-        attempt = current["id"] if current else r.ledger.start_attempt(
-            r.run_id, "soak", rung.name, {"local_run": str(local), "rung": rung.as_dict(), "restart": restarts,
-                                          LAUNCH_MARKED: True})
+        attempt = current["id"] if current else service.start_attempt(
+            NAME, rung.name, {"local_run": str(local), "rung": rung.as_dict(), "restart": restarts,
+                              LAUNCH_MARKED: True})
         if alive and current is not None:
-            _event(r, "attempt", f"soak attempt {current['number']} re-attached: its processes outlived the controller")
-        with r.finishes(attempt):
-            cause = _one_attempt(r, rung, local, attempt, current["started"] if current else r.clock.time(),
+            service.event(NAME, "attempt",
+                          f"soak attempt {current['number']} re-attached: its processes outlived the controller")
+        with service.finishes(attempt):
+            cause = _one_attempt(service, rung, local, attempt, current["started"] if current else service.clock.time(),
                                  (alive, restarts), (injections, soak_started, deadline))
             if cause is None:
                 return
-        _check_limits(r, rung.name, restarts, cause)
-        if r.stop_requested():  # `rollout stop` during the recovery: no restart
+        _check_limits(service, rung.name, restarts, cause)
+        if service.stop_requested():  # `rollout stop` during the recovery: no restart
             raise StageStopped("soak: stopped on request before its restart")
-        _event(r, "restart", f"restarting the soak from its last checkpoint ({restarts + 1} of "
-               f"{r.config.soak_max_restarts})", {"restart": restarts + 1, "time": r.clock.time()})
+        service.event(NAME, "restart", f"restarting the soak from its last checkpoint ({restarts + 1} of "
+                      f"{config.soak_max_restarts})", {"restart": restarts + 1, "time": service.clock.time()})
 
 
-def _one_attempt(r: AttemptService, rung: Rung, local: Path, attempt: int, started: float, state: tuple[bool, int],
-                 plan: tuple[list[inject.Injection], float, float]) -> str | None:
+def _one_attempt(service: AttemptService, rung: Rung, local: Path, attempt: int, started: float,
+                 state: tuple[bool, int], plan: tuple[list[inject.Injection], float, float]) -> str | None:
     """Launch (or re-attach to) the attempt and follow it to its end: None when the soak passed its duration,
     else the failure's cause (the attempt recorded failed, the run stopped everywhere and diagnosed)."""
     (alive, restarts), (injections, soak_started, deadline) = state, plan
-    with r.executor(local) as executor:
+    config = service.config
+    with service.executor(local) as executor:
         if not alive and restarts:  # also after a controller that died mid-recovery (best effort: see recover)
             executor.run_command(CLEAR_RANK_FILES)
-        watch = _watch(r, executor, local, injections, soak_started)
+        watch = _watch(service, executor, local, injections, soak_started)
         if not alive:
-            needs.verify(r, executor, Manifest.load(local), "soak", rung.name)
-            r.launch(executor, local, f"soak/{rung.name}", f"soak attempt {attempt}")
-            _event(r, "launched", f"soak attempt {attempt} launched", {"attempt": attempt})
-        status, why = r.follow(executor, "soak", rung, r.config.soak_iterations, deadline, check=watch.check)
-        metrics = r.collect(executor, local, attempt, started)
-        trained = why == "exited" and status.finished_ok and r.config.soak_iterations is not None
+            needs.verify(service, executor, Manifest.load(local), NAME, rung.name)
+            service.launch(executor, local, f"soak/{rung.name}", f"soak attempt {attempt}")
+            service.event(NAME, "launched", f"soak attempt {attempt} launched", {"attempt": attempt})
+        status, why = service.follow(executor, NAME, rung, config.soak_iterations, deadline, check=watch.check)
+        metrics = service.collect(executor, local, attempt, started)
+        trained = why == "exited" and status.finished_ok and config.soak_iterations is not None
         if why == "deadline" or trained:
-            done = f"{r.config.soak_iterations:,} iterations trained" if trained else "soak duration reached"
-            r.ledger.finish_attempt(attempt, "passed", _detail(metrics, done))
-            _final_gates(r, rung.name, restarts, local)
+            done = f"{config.soak_iterations:,} iterations trained" if trained else "soak duration reached"
+            service.finish_attempt(attempt, "passed", _detail(metrics, done))
+            _final_gates(service, rung.name, restarts, local)
             return None
         if why == "stop requested":
-            r.ledger.finish_attempt(attempt, "stopped", _detail(metrics, "stop requested"))
+            service.finish_attempt(attempt, "stopped", _detail(metrics, "stop requested"))
             raise StageStopped("soak: stopped on request")
         verdict = watch.verdict or classify.classify(status, monitors.fail_findings(watch.monitor.findings),
-                                                     r.config.heartbeat_timeout_s)
+                                                     config.heartbeat_timeout_s)
         cause = _cause(verdict, status, why)
         if watch.verdict is None:
-            _event(r, "detected", f"run ended: {cause}", {**(verdict.to_json() if verdict else {}),
-                                                          "time": r.clock.time()})
+            service.event(NAME, "detected", f"run ended: {cause}", {**(verdict.to_json() if verdict else {}),
+                                                                   "time": service.clock.time()})
         iteration = monitors.progress_iteration(status)
-        r.ledger.finish_attempt(attempt, "failed", {**_detail(metrics, cause), "kind": verdict.kind if verdict
-                                                    else None, "failed_at_iteration": iteration})
-        _event(r, "failure", f"soak run failed: {cause}", {"kind": verdict.kind if verdict else None,
-                                                           "iteration": iteration})
-        found = recover(r, executor, watch.monitor, verdict)
+        kind = verdict.kind if verdict else None
+        service.finish_attempt(attempt, "failed", {**_detail(metrics, cause), "kind": kind,
+                                                   "failed_at_iteration": iteration})
+        service.event(NAME, "failure", f"soak run failed: {cause}", {"kind": kind, "iteration": iteration})
+        found = recover(service, executor, watch.monitor, verdict)
     full = next((d for d in found if d.signature == diagnose.DISK_FULL), None)
     if full is not None:  # a restart would meet the same full disk (and fail in its upload): say so, once
         where = f" on {verdict.node}" if verdict and verdict.node else ""
@@ -233,9 +233,8 @@ def _one_attempt(r: AttemptService, rung: Rung, local: Path, attempt: int, start
     return cause
 
 
-def _check_injections(injections: list[inject.Injection], local: Path, world: int) -> None:
-    """Every injection names a rank or node of this run (before anything starts, not mid-soak)."""
-    nodes = [n["name"] for n in json.loads((local / "manifest.json").read_text())["nodes"]]
+def _check_injections(injections: list[inject.Injection], nodes: list[str], world: int) -> None:
+    """Every injection names a rank or node of this run (`nodes`: its manifest's), before anything starts."""
     for inj in injections:
         try:
             _ = inject.resolve_rank(inj, world) if inj.kind in inject.RANK_KINDS else inject.resolve_node(inj, nodes)
@@ -243,19 +242,21 @@ def _check_injections(injections: list[inject.Injection], local: Path, world: in
             raise StageFailed(f"soak: {exc.message}") from None
 
 
-def _watch(r: AttemptService, executor: Executor, local: Path, injections: list[inject.Injection],
+def _watch(service: AttemptService, executor: Executor, local: Path, injections: list[inject.Injection],
            soak_started: float) -> Watch:
+    config = service.config
     manifest = Manifest.load(local)
-    first = r.cluster.node(executor.targets[0].name)
-    limits = Thresholds(heartbeat_timeout_s=r.config.heartbeat_timeout_s)
+    first = service.cluster.node(executor.targets[0].name)
     monitor = monitors.SoakMonitor(executor, monitors.probe_spec(manifest, first.train_iface),
-                                   r.run_dir / "monitor" / "stepdeploy.prom", limits,
-                                   lambda kind, msg, data: _event(r, kind, msg, data), r.config.monitor_interval_s)
-    injector = inject.Injector(injections, ledger=r.ledger, run_id=r.run_id, cluster=r.cluster, executor=executor,
-                               started=soak_started, faults=r.faults) if injections else None
+                                   service.run_dir / "monitor" / "stepdeploy.prom",
+                                   MonitorLimits(heartbeat_timeout_s=config.heartbeat_timeout_s),
+                                   lambda kind, msg, data: service.event(NAME, kind, msg, data),
+                                   config.monitor_interval_s)
+    # inject.Injector records its firings in the ledger itself (it predates the service's calls)
+    injector = inject.Injector(injections, ledger=service.ledger, run_id=service.run_id, cluster=service.cluster,
+                               executor=executor, started=soak_started, faults=service.faults) if injections else None
     # the live ratio starts from the lines the earlier attempts' collection fetched (local files, no new fetch)
-    return Watch(r, monitor, injector, goodput.LiveGoodput(soak_started, read_metrics(local / "fetched")),
-                 clock=r.clock)
+    return Watch(service, monitor, injector, goodput.LiveGoodput(soak_started, read_metrics(local / "fetched")))
 
 
 def _cause(verdict: Classification | None, status: RunStatus, why: str) -> str:
@@ -266,18 +267,19 @@ def _cause(verdict: Classification | None, status: RunStatus, why: str) -> str:
     return f"{verdict.kind}{where}{rank}: {verdict.evidence[0]}"
 
 
-def _check_limits(r: AttemptService, rung: str, restarts: int, cause: str) -> None:
-    if restarts + 1 > r.config.soak_max_restarts:
-        r.judge("soak", rung, [gates.GateVerdict("no_unrecovered_failure", False, restarts + 1,
-                                                 r.config.soak_max_restarts, f"failed {restarts + 1} times: {cause}")],
-                _declared(r))
+def _check_limits(service: AttemptService, rung: str, restarts: int, cause: str) -> None:
+    config = service.config
+    if restarts + 1 > config.soak_max_restarts:
+        failed = f"failed {restarts + 1} times: {cause}"
+        service.judge(NAME, rung, [gates.GateVerdict("no_unrecovered_failure", False, restarts + 1,
+                                                     config.soak_max_restarts, failed)], _declared(service))
         raise StageFailed(f"soak: unrecovered failure after {restarts} restart(s): {cause}")
     stalled = stalled_restarts([a["detail"].get("failed_at_iteration")
-                                for a in spent_restarts(r.ledger.attempts(r.run_id, "soak"), _launched(r))])
-    if stalled >= r.config.soak_max_stalled_restarts:
-        r.judge("soak", rung, [gates.GateVerdict("progress", False, stalled, r.config.soak_max_stalled_restarts,
-                                                 f"{stalled} restart(s) in a row without progress: {cause}")],
-                _declared(r))
+                                for a in spent_restarts(service.attempts(NAME), _launched(service))])
+    if stalled >= config.soak_max_stalled_restarts:
+        service.judge(NAME, rung, [gates.GateVerdict("progress", False, stalled, config.soak_max_stalled_restarts,
+                                                     f"{stalled} restart(s) in a row without progress: {cause}")],
+                      _declared(service))
         raise StageFailed(f"soak: {stalled} restart(s) in a row made no progress: {cause}")
 
 
@@ -292,8 +294,8 @@ def spent_restarts(attempts: list[dict[str, Any]], launched: set[int]) -> list[d
             and (a["id"] in launched or not a["detail"].get(LAUNCH_MARKED))]
 
 
-def _launched(r: AttemptService) -> set[int]:
-    return {a for e in r.ledger.events(r.run_id, kind="launched") if type(a := e["data"].get("attempt")) is int}
+def _launched(service: AttemptService) -> set[int]:
+    return {a for e in service.events(NAME, kind="launched") if type(a := e["data"].get("attempt")) is int}
 
 
 def stalled_restarts(failed_at: list[int | None]) -> int:
@@ -306,58 +308,66 @@ def stalled_restarts(failed_at: list[int | None]) -> int:
     return count
 
 
-def _alive(r: AttemptService, local: Path) -> bool:
-    with r.executor(local) as executor:
+def _alive(service: AttemptService, local: Path) -> bool:
+    with service.executor(local) as executor:
         return executor.poll().running
 
 
-def _soak_dir(r: AttemptService, rung: Rung) -> Path:
+def _soak_dir(service: AttemptService, rung: Rung) -> Path:
     """The soak's one run directory (rendered once; restarts reuse it so checkpoints carry over)."""
-    for a in r.ledger.attempts(r.run_id, "soak"):
+    for a in service.attempts(NAME):
         recorded = a["detail"].get("local_run")
-        if isinstance(recorded, str) and (Path(recorded) / "manifest.json").is_file():
+        if isinstance(recorded, str) and Manifest.written(Path(recorded)):
             return Path(recorded)
         break  # gone or damaged: render it again below
-    local = r.run_dir / "attempts" / "soak-target"
-    if not (local / "manifest.json").exists():
-        fixed = r.config.soak_iterations
-        schedule = soak_schedule(r.config.soak_duration_s, *checkpoint_interval.step_estimate(r),
-                                 startup_s=checkpoint_interval.startup_estimate(r), iterations=fixed)
-        startup = f" after a start-up of {schedule.startup_s:.0f} s" if schedule.startup_s else ""
-        warning = expert_load_room(r.config.model, schedule.expected)
-        sized = (f"the {fixed:,} iterations --soak-iterations asks for" if fixed else
-                 f"the {schedule.expected:,} iterations {r.config.soak_duration_s:.0f} s take at "
-                 f"{schedule.step_s:.3f} s a step{startup}, {schedule.source}")
-        _event(r, "schedule", f"soak schedule: warm-up {schedule.warmup} iteration(s), cosine decay to a tenth of "
-               f"the peak learning rate at iteration {schedule.decay} ({sized})" + (f"; {warning}" if warning else ""),
-               schedule.to_json() | {"expert_load_warning": warning})
-        opts = r.render_options("soak", rung, fixed or SOAK_ITERATIONS, f"{r.run_id}-soak",
-                                (schedule.warmup, schedule.decay), _save_interval(r, schedule))
-        r.render(rung, opts, local)
+    local = service.run_dir / "attempts" / "soak-target"
+    if not Manifest.written(local):
+        schedule = _schedule(service, TargetStep.measured(service))
+        opts = service.render_options(NAME, rung, service.config.soak_iterations or SOAK_ITERATIONS,
+                                      f"{service.run_id}-soak", (schedule.warmup, schedule.decay),
+                                      _save_interval(service, schedule))
+        service.render(rung, opts, local)
     return local
 
 
-def _save_interval(r: AttemptService, schedule: SoakSchedule) -> int:
+def _schedule(service: AttemptService, measured: TargetStep) -> SoakSchedule:
+    """The soak's learning-rate schedule, sized by what the warm-up measured (recorded as an event)."""
+    config = service.config
+    fixed = config.soak_iterations
+    step_s, source = measured.step(service.cluster, config)
+    schedule = soak_schedule(config.soak_duration_s, step_s, source, startup_s=measured.startup_s, iterations=fixed)
+    startup = f" after a start-up of {schedule.startup_s:.0f} s" if schedule.startup_s else ""
+    warning = expert_load_room(config.model, schedule.expected)
+    sized = (f"the {fixed:,} iterations --soak-iterations asks for" if fixed else
+             f"the {schedule.expected:,} iterations {config.soak_duration_s:.0f} s take at "
+             f"{schedule.step_s:.3f} s a step{startup}, {schedule.source}")
+    service.event(NAME, "schedule", f"soak schedule: warm-up {schedule.warmup} iteration(s), cosine decay to a tenth "
+                  f"of the peak learning rate at iteration {schedule.decay} ({sized})"
+                  + (f"; {warning}" if warning else ""), schedule.to_json() | {"expert_load_warning": warning})
+    return schedule
+
+
+def _save_interval(service: AttemptService, schedule: SoakSchedule) -> int:
     """The configured interval, or (auto) Young/Daly's from the save stall and the MTBF, recorded as an event."""
-    if r.config.checkpoint_interval != AUTO:
-        return int(r.config.checkpoint_interval)
-    interval = checkpoint_interval.for_soak(r, schedule.step_s, schedule.source)
+    if service.config.checkpoint_interval != AUTO:
+        return int(service.config.checkpoint_interval)
+    interval = checkpoint_interval.for_soak(service, schedule.step_s, schedule.source)
     warning = checkpoint_interval.longer_than_the_soak(interval, schedule.expected)
-    _event(r, "checkpoint", f"checkpoint interval (auto): {interval.describe()}" + (f"; {warning}" if warning else ""),
-           {**interval.to_json(), "describe": interval.describe(), "warning": warning})
+    service.event(NAME, "checkpoint", f"checkpoint interval (auto): {interval.describe()}"
+                  + (f"; {warning}" if warning else ""),
+                  {**interval.to_json(), "describe": interval.describe(), "warning": warning})
     return interval.iterations
 
 
-def _record_goodput(r: AttemptService, local: Path, soak_started: float, ended: float | None = None) -> None:
-    """The soak's goodput (rollout/goodput.py) from its fetched metrics and phases and its ledger rows."""
-    attempts = r.ledger.attempts(r.run_id, "soak")
+def _record_goodput(service: AttemptService, local: Path, soak_started: float) -> None:
+    """The soak's goodput (rollout/goodput.py) from its fetched metrics and phases and its ledger rows, to now."""
+    attempts = service.attempts(NAME)
     if not attempts:
         return  # it never launched
-    events = [e for e in r.ledger.events(r.run_id) if e["stage"] == "soak"]
     fetched = local / "fetched"
-    end = REAL.time() if ended is None else ended
-    figures = goodput.breakdown(soak_started, end, read_metrics(fetched), read_phases(fetched), attempts, events)
-    _event(r, "goodput", figures.describe(), figures.to_json())
+    figures = goodput.breakdown(soak_started, service.clock.time(), read_metrics(fetched), read_phases(fetched),
+                                attempts, service.events(NAME))
+    service.event(NAME, "goodput", figures.describe(), figures.to_json())
 
 
 def _detail(metrics: list[dict[str, Any]], why: str) -> dict[str, Any]:
@@ -365,23 +375,21 @@ def _detail(metrics: list[dict[str, Any]], why: str) -> dict[str, Any]:
     return {"why": why, "iterations": last.get("iteration"), "final_loss": last.get("loss")}
 
 
-def _final_gates(r: AttemptService, rung: str, restarts: int, local: Path) -> None:
-    """Judged over the whole soak: every line of the run's metrics file, across its restarts."""
-    verdicts = [gates.GateVerdict("no_unrecovered_failure", True, restarts, r.config.soak_max_restarts,
+def _final_gates(service: AttemptService, rung: str, restarts: int, local: Path) -> None:
+    """Judged over the whole soak: every line of the run's metrics file, across its restarts, after the learning
+    rate's warm-up the run trains with (its workload.json)."""
+    config = service.config
+    verdicts = [gates.GateVerdict("no_unrecovered_failure", True, restarts, config.soak_max_restarts,
                                   f"soak completed its duration with {restarts} restart(s)")]
     all_metrics = [m for m in read_metrics(local / "fetched") if m]
     if all_metrics:
+        warmup = Workload.load(local).training.warmup_iterations
         verdicts.append(gates.losses_finite(all_metrics))
-        verdicts += training_gates.soak_training_gates(all_metrics, _warmup_iterations(local), r.config.thresholds)
-    r.judge("soak", rung, verdicts, _declared(r))
+        verdicts += training_gates.soak_training_gates(all_metrics, warmup, config.thresholds)
+    service.judge(NAME, rung, verdicts, _declared(service))
     failed = [v for v in verdicts if not v.passed]
     if failed:
         raise StageFailed(f"soak: gate {failed[0].gate} failed: {failed[0].reason}")
-
-
-def _warmup_iterations(local: Path) -> int:
-    """The learning-rate warm-up the soak's run trains with (its workload.json): the gates judge after it."""
-    return int(json.loads((local / "workload.json").read_text())["training"]["warmup_iterations"])
 
 
 STAGE = Soak()

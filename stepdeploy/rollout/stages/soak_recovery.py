@@ -4,8 +4,6 @@ service's clock (rollout/clock.py) times the node wait."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from stepdeploy.monitor import classify, diagnose
 from stepdeploy.monitor.classify import Classification
 from stepdeploy.remote.executor import Executor, RunStatus
@@ -18,29 +16,27 @@ from stepdeploy.rollout.service import SWEEP_STAGING, AttemptService
 # left a staging directory (the rank removes its own on a stop, not when killed): never committed, it only takes
 # room (issue 36). Run only once the stop is proven (no process of the run left to write into it).
 CLEAR_RANK_FILES = f"rm -f -- out/status/rank* out/heartbeat/rank* && {SWEEP_STAGING}"
+NAME = "soak"  # the stage these steps belong to (its events, its attempts)
 
 
-def event(r: AttemptService, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-    r.ledger.event(r.run_id, kind, message, stage="soak", data=data)
-
-
-def recover(r: AttemptService, executor: Executor, monitor: monitors.SoakMonitor, verdict: Classification | None
-            ) -> list[diagnose.Diagnosis]:
+def recover(service: AttemptService, executor: Executor, monitor: monitors.SoakMonitor,
+            verdict: Classification | None) -> list[diagnose.Diagnosis]:
     """Stop everything (and show it), wait for lost nodes, diagnose, clear the rank files for the next attempt;
     returns the diagnosis (a full disk ends the soak: a restart cannot fix it)."""
-    stop_and_prove(r, executor)
+    stop_and_prove(service, executor)
     lost = monitors.unreachable_nodes(executor.poll())
     if lost:
-        if not wait_for_nodes(r, executor, lost):
-            raise StageFailed(f"soak: node(s) {', '.join(lost)} lost and not back within {r.config.node_wait_s:.0f} s")
+        if not wait_for_nodes(service, executor, lost):
+            raise StageFailed(f"soak: node(s) {', '.join(lost)} lost and not back within "
+                              f"{service.config.node_wait_s:.0f} s")
         status = executor.poll()  # the node is back: what do its counters say now?
-        stop_and_prove(r, executor)
+        stop_and_prove(service, executor)
         clear_rank_files(executor)  # its dead ranks' files would read as hung ranks
-        verdict = reclassify(r, monitor, status, verdict) or verdict
-    found = diagnose_attempt(r, executor, verdict)
+        verdict = reclassify(service, monitor, status, verdict) or verdict
+    found = diagnose_attempt(service, executor, verdict)
     node = verdict.node if verdict else None
-    event(r, "preflight", f"preflight of the suspect node {node or '(none)'} skipped: the soak restarts on the same "
-          "nodes; run `stepdeploy preflight` on it if the failure repeats", {"node": node})
+    service.event(NAME, "preflight", f"preflight of the suspect node {node or '(none)'} skipped: the soak restarts on "
+                  "the same nodes; run `stepdeploy preflight` on it if the failure repeats", {"node": node})
     clear_rank_files(executor)
     return found
 
@@ -51,61 +47,63 @@ def clear_rank_files(executor: Executor) -> None:
         raise StageFailed(f"soak: cannot clear the rank files on {', '.join(bad)} before the restart")
 
 
-def stop_and_prove(r: AttemptService, executor: Executor) -> None:
+def stop_and_prove(service: AttemptService, executor: Executor) -> None:
     stops = executor.stop()
     left = {s.node: list(s.left) for s in stops if s.left}
     unreachable = [s.node for s in stops if not s.ok and not s.left]
     parts = [f"{s.node}: {s.detail}" for s in stops]
-    event(r, "stop", "stop: " + "; ".join(parts), {"ok": all(s.ok for s in stops), "left": left,
-                                                  "unreachable": unreachable,
-                                                  "killed": {s.node: list(s.killed) for s in stops}})
+    service.event(NAME, "stop", "stop: " + "; ".join(parts),
+                  {"ok": all(s.ok for s in stops), "left": left, "unreachable": unreachable,
+                   "killed": {s.node: list(s.killed) for s in stops}})
     if left:
         raise StageFailed(f"soak: processes of the run survived the stop: {left}")
 
 
-def wait_for_nodes(r: AttemptService, executor: Executor, lost: list[str]) -> bool:
+def wait_for_nodes(service: AttemptService, executor: Executor, lost: list[str]) -> bool:
     """Poll until the lost nodes answer again (True) or node_wait_s passes (False); a stop request ends the
     wait (StageStopped)."""
-    event(r, "node-wait", f"waiting up to {r.config.node_wait_s:.0f} s for {', '.join(lost)} to come back", {})
-    until = r.clock.time() + r.config.node_wait_s
-    while r.clock.time() < until:
-        if r.stop_requested():
-            raise StageStopped(f"soak: stopped on request while waiting for {', '.join(lost)}")
+    clock, wait_s, names = service.clock, service.config.node_wait_s, ", ".join(lost)
+    service.event(NAME, "node-wait", f"waiting up to {wait_s:.0f} s for {names} to come back", {})
+    until = clock.time() + wait_s
+    while clock.time() < until:
+        if service.stop_requested():
+            raise StageStopped(f"soak: stopped on request while waiting for {names}")
         still = monitors.unreachable_nodes(executor.poll())
         if not still:
-            event(r, "node-wait", f"{', '.join(lost)} reachable again", {"time": r.clock.time()})
+            service.event(NAME, "node-wait", f"{names} reachable again", {"time": clock.time()})
             return True
-        r.clock.sleep(2.0)
-    event(r, "node-wait", f"{', '.join(lost)} still unreachable after {r.config.node_wait_s:.0f} s", {})
+        clock.sleep(2.0)
+    service.event(NAME, "node-wait", f"{names} still unreachable after {wait_s:.0f} s", {})
     return False
 
 
-def reclassify(r: AttemptService, monitor: monitors.SoakMonitor, status: RunStatus, verdict: Classification | None
-               ) -> Classification | None:
+def reclassify(service: AttemptService, monitor: monitors.SoakMonitor, status: RunStatus,
+               verdict: Classification | None) -> Classification | None:
     """A node that was unreachable and came back was not necessarily lost: its interface may have gone down
     (the simulated nodes carry SSH and training on one interface). Its counters and ranks decide."""
     if verdict is None or verdict.kind != classify.NODE_LOSS:
         return None
-    found = monitor.collect(status, r.clock.time())
+    found = monitor.collect(status, service.clock.time())
     flapped = [f for f in found if f.kind == "link" and f.severity.value == "fail"]
     if not flapped:
-        event(r, "classified", f"node-loss confirmed for {verdict.node}: no link flap recorded on its return",
-              verdict.to_json())
+        service.event(NAME, "classified", f"node-loss confirmed for {verdict.node}: no link flap recorded on its "
+                      "return", verdict.to_json())
         return None
     again = Classification(classify.LINK, verdict.node, None,
                            tuple(f"monitor: {f.node} {f.subject}: {f.message}" for f in flapped) + verdict.evidence)
-    event(r, "classified", f"re-classified as link: {again.evidence[0]}", again.to_json())
+    service.event(NAME, "classified", f"re-classified as link: {again.evidence[0]}", again.to_json())
     return again
 
 
-def diagnose_attempt(r: AttemptService, executor: Executor, verdict: Classification | None) -> list[diagnose.Diagnosis]:
+def diagnose_attempt(service: AttemptService, executor: Executor, verdict: Classification | None
+                     ) -> list[diagnose.Diagnosis]:
     """Known signatures in the failed attempt's lines of the culprit's log (every node's without a culprit)."""
     nodes = [verdict.node] if verdict and verdict.node else [t.name for t in executor.targets]
     found = diagnose.diagnose("\n".join(attempt_log_lines(executor, nodes)))
     if not found:
-        event(r, "diagnosis", f"no known failure signature in this attempt's last {LOG_TAIL} log lines of "
-              f"{', '.join(nodes)}", {"nodes": nodes, "diagnoses": []})
+        service.event(NAME, "diagnosis", f"no known failure signature in this attempt's last {LOG_TAIL} log lines "
+                      f"of {', '.join(nodes)}", {"nodes": nodes, "diagnoses": []})
         return []
-    event(r, "diagnosis", "; ".join(f"{d.signature}: {d.cause}" for d in found),
-          {"nodes": nodes, "diagnoses": [d.to_json() for d in found]})
+    service.event(NAME, "diagnosis", "; ".join(f"{d.signature}: {d.cause}" for d in found),
+                  {"nodes": nodes, "diagnoses": [d.to_json() for d in found]})
     return found

@@ -4,7 +4,7 @@ GPU/port/interface; a steady pair of samples raises nothing (the false-alarm tes
 from __future__ import annotations
 
 from stepdeploy.monitor.judge import judge_node
-from stepdeploy.monitor.model import Severity, Thresholds
+from stepdeploy.monitor.model import MonitorLimits, Severity
 
 from . import faults
 
@@ -133,4 +133,4 @@ def test_disk_filling_up_is_reported_once_per_level():
     assert _found(prev, low) == [("disk", WARN, "/ckpt")]
     assert judge_node(low, low) == []
     assert _found(low, full) == [("disk", FAIL, "/ckpt")]
-    assert _found(prev, full, Thresholds(disk_min_free=0.0)) == []
+    assert _found(prev, full, MonitorLimits(disk_min_free=0.0)) == []

@@ -87,8 +87,8 @@ def test_progress_and_stalled_restarts():
 def test_judge_round_compares_each_node_with_its_own_previous_sample():
     first, second = faults.parse(faults.recorded(1), "a"), faults.parse(faults.recorded(2), "a")
     down = faults.parse(faults.set_operstate(faults.recorded(2), "eth0", "down"), "b")
-    assert monitors.judge_round({}, [first], monitors.Thresholds()) == []  # a first sample judges nothing
-    found = monitors.judge_round({"a": first, "b": first}, [second, down], monitors.Thresholds())
+    assert monitors.judge_round({}, [first], monitors.MonitorLimits()) == []  # a first sample judges nothing
+    found = monitors.judge_round({"a": first, "b": first}, [second, down], monitors.MonitorLimits())
     assert [(f.node, f.kind, f.subject) for f in found] == [("b", "link", "eth0")]
 
 
@@ -99,10 +99,10 @@ def test_link_that_went_down_and_up_between_samples_is_a_link_failure():
 
     before, after = flaps(0), flaps(2)
     assert before.netdevs[0].stats["carrier_down_count"] == 0
-    found = monitors.judge_round({"h200": before}, [after], monitors.Thresholds())
+    found = monitors.judge_round({"h200": before}, [after], monitors.MonitorLimits())
     assert [(f.kind, f.severity, f.subject) for f in found] == [("link", Severity.FAIL, "eth0")]
     assert "went down 2 time(s)" in found[0].message
-    assert monitors.judge_round({"h200": after}, [after], monitors.Thresholds()) == []
+    assert monitors.judge_round({"h200": after}, [after], monitors.MonitorLimits()) == []
 
 
 def test_standin_nvidia_smi_answers_the_monitors_query(tmp_path):

@@ -3,7 +3,7 @@ a steady run raises nothing."""
 
 from __future__ import annotations
 
-from stepdeploy.monitor.model import Severity, Thresholds
+from stepdeploy.monitor.model import MonitorLimits, Severity
 from stepdeploy.monitor.training import judge_training
 
 from . import faults
@@ -38,7 +38,7 @@ def test_stale_heartbeat_is_a_hang_on_that_rank():
     assert "no heartbeat for 201 s (timeout 180 s), stuck after iteration 10 (pid 1001)" in findings[0].message
     later = _sample(T0 + 210, {0: (51, T0 + 209), 1: (10, T0 - 1)}, states)
     assert judge_training(cur, later) == []  # reported once, when it crossed the timeout
-    assert _found(prev, cur, Thresholds(heartbeat_timeout_s=300)) == []
+    assert _found(prev, cur, MonitorLimits(heartbeat_timeout_s=300)) == []
 
 
 def test_an_exited_rank_with_an_old_heartbeat_is_not_a_hang():

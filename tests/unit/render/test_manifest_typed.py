@@ -91,3 +91,48 @@ def test_a_manifests_needs_are_what_render_writes_or_refused(tmp_path: Path, nee
     (tmp_path / "run" / "manifest.json").write_text(json.dumps({**data, "needs": needs}))
     with pytest.raises(BadInput, match=problem):
         Manifest.load(tmp_path / "run")
+
+
+@pytest.mark.parametrize("case", ["sim-cpu", "hgx-h100-seed-options", "slurm-sim-cpu", "spark-roce"])
+def test_the_manifest_render_built_is_the_one_written_and_the_one_read_back(tmp_path: Path, case: str) -> None:
+    """One schema: the Manifest render_run built is the file it wrote (byte for byte as the golden files pin it),
+    and Manifest.load reads back an equal one that writes the same file again (nulls and key order kept)."""
+    from stepdeploy.render import templating
+
+    from .cases import CASES
+
+    rendered = CASES[case]()
+    write_run(rendered, tmp_path / "run")
+    loaded = Manifest.load(tmp_path / "run")
+    assert loaded == rendered.manifest
+    text = (tmp_path / "run" / "manifest.json").read_text()
+    assert templating.render("manifest.json.j2", manifest=loaded.to_json()) == text == rendered.file(
+        "manifest.json").text
+    assert list(json.loads(text)) == list(loaded.to_json())  # the file's key order is the schema's
+
+
+def test_a_manifest_with_keys_a_later_stepdeploy_wrote_keeps_them(tmp_path: Path) -> None:
+    opts = RenderOptions(run_id="r5", iterations=5, seq_length=64, global_batch_size=8)
+    write_run(build(str(inventory(tmp_path)), "tiny-dense", None, opts), tmp_path / "run")
+    data = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    data["nodes"][0]["gpu_uuid"] = "GPU-1"
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps({**data, "later": {"x": 1}}))
+    assert Manifest.load(tmp_path / "run").to_json() == {**data, "later": {"x": 1}}
+    del data["format"]  # render always writes it: a file without it is not one render wrote
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(BadInput, match="format"):
+        Manifest.load(tmp_path / "run")
+
+
+def test_workload_json_is_read_back_typed(tmp_path: Path) -> None:
+    from stepdeploy.render.workload_file import Workload
+
+    opts = RenderOptions(run_id="r6", iterations=40, seq_length=64, global_batch_size=8, warmup_iterations=3)
+    write_run(build(str(inventory(tmp_path)), "tiny-dense", None, opts), tmp_path / "run")
+    workload = Workload.load(tmp_path / "run")
+    assert (workload.training.iterations, workload.training.warmup_iterations, workload.moe) == (40, 3, {})
+    data = json.loads((tmp_path / "run" / "workload.json").read_text())
+    data["training"]["warmup_iterations"] = "3"
+    (tmp_path / "run" / "workload.json").write_text(json.dumps(data))
+    with pytest.raises(BadInput, match=r"training\.warmup_iterations"):
+        Workload.load(tmp_path / "run")

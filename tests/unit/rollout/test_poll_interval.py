@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
+from stepdeploy.remote import registry
+from stepdeploy.remote.executor import Executor
 from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.remote.local_executor import LocalExecutor
-from stepdeploy.rollout.config import DEFAULT_POLL_INTERVAL_S, RolloutConfig, poll_interval
+from stepdeploy.remote.slurm_executor import SlurmExecutor
+from stepdeploy.rollout.config import RolloutConfig, poll_interval
+from stepdeploy.testing.executor import FakeExecutor
 
 CONFIG = RolloutConfig(inventory="", model="tiny-dense", stages=("soak",))
 
@@ -14,8 +20,16 @@ def test_the_local_executor_is_polled_four_times_as_often_as_one_over_ssh() -> N
     assert poll_interval(CONFIG, FabricExecutor.__new__(FabricExecutor)) == 2.0
 
 
-def test_an_executor_without_its_own_interval_gets_the_default() -> None:
-    assert poll_interval(CONFIG, object()) == DEFAULT_POLL_INTERVAL_S == 2.0
+def test_every_executor_declares_its_interval_as_the_protocol_says() -> None:
+    assert Executor.__annotations__["poll_interval_s"] == "float"
+    classes = [SlurmExecutor, FakeExecutor]
+    for module in registry.EXECUTORS.values():  # every registered one, and the simulated cluster's stand-in
+        classes += [c for c in vars(importlib.import_module(module)).values()
+                    if isinstance(c, type) and c.__module__ == module and hasattr(c, "poll")]
+    assert {c.__name__ for c in classes} >= {"FabricExecutor", "LocalExecutor", "SlurmExecutor"}
+    for cls in classes:
+        assert isinstance(cls.poll_interval_s, float) and cls.poll_interval_s > 0, cls.__name__
+    assert poll_interval(CONFIG, SlurmExecutor.__new__(SlurmExecutor)) == 2.0
 
 
 def test_the_configuration_overrides_the_executor() -> None:
