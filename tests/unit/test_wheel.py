@@ -37,7 +37,8 @@ def test_the_wheel_holds_every_file_of_the_package_and_nothing_else(wheel_instal
     assert in_wheel - source == set(), "files in the wheel that are in neither stepdeploy/ nor a shipped directory"
 
 
-def test_the_top_level_playbooks_roles_and_templates_ship_under_the_package(wheel_install: InstalledWheel) -> None:
+def test_the_top_level_playbooks_roles_and_templates_ship_under_the_package(wheel_install: InstalledWheel,
+                                                                             tmp_path: Path) -> None:
     """The design card's layout: playbooks/, roles/ and templates/ at the checkout's top level (none inside
     stepdeploy/), each shipped under the package, where stepdeploy.resources finds it in an install."""
     assert not any((REPO / "stepdeploy" / top).exists() for top in ("ansible", "playbooks", "roles", "templates"))
@@ -53,11 +54,11 @@ def test_the_top_level_playbooks_roles_and_templates_ship_under_the_package(whee
     assert "stepdeploy/templates/launch.sh.j2" in expected
     assert expected - in_wheel == set(), "the wheel lacks these"
     where = wheel_install.run(wheel_install.python, "-c", "from stepdeploy import resources as r; "
-                              "print(r.playbooks_dir()); print(r.roles_dir()); print(r.templates_dir())", cwd=REPO)
+                              "print(r.playbooks_dir()); print(r.roles_dir()); print(r.templates_dir())", cwd=tmp_path)
     assert where.returncode == 0, where.stderr
     dirs = [Path(line) for line in where.stdout.split()]
     assert [d.name for d in dirs] == ["playbooks", "roles", "templates"]
-    for found in dirs:  # run from the checkout, the install still uses its own copy
+    for found in dirs:
         assert wheel_install.venv in found.parents and found.parent.name == "stepdeploy", found
 
 
@@ -130,12 +131,13 @@ print(json.dumps({"examples": examples, "inventories": {w: str(shipped_inventory
 
 
 def _example_words(epilog: str) -> list[str]:
-    """The words of every `stepdeploy ...` command an epilog's examples give (chains split at &&)."""
+    """The arguments of every `stepdeploy ...` command an epilog's examples give (chains split at &&)."""
     words: list[str] = []
     for example in epilog.split("Example: ")[1:]:
-        line = example.split("\n", 1)[0]
-        for command in line.split("&&"):
-            words += command.split()
+        for command in example.split("\n", 1)[0].split("&&"):
+            program, *arguments = command.split()
+            assert program == "stepdeploy", example
+            words += arguments
     return words
 
 
@@ -147,9 +149,9 @@ def test_every_help_example_names_only_what_the_wheel_ships(wheel_install: Insta
     assert "stepdeploy demo" in examples and "Example: stepdeploy demo" in examples["stepdeploy demo"]
     with_example = {name for name, text in examples.items() if "Example: stepdeploy " in text}
     assert {"stepdeploy", "stepdeploy render", "stepdeploy provision", "stepdeploy plan"} <= with_example
-    checkout_paths = {name: word for name, text in examples.items() for word in _example_words(text)
+    checkout_paths = {(name, word) for name, text in examples.items() for word in _example_words(text)
                       if not word.startswith("-") and word.split("/", 1)[0] in CHECKOUT_ONLY}
-    assert checkout_paths == {}, "help examples that name a file only a checkout has (the wheel user has none)"
+    assert checkout_paths == set(), "help examples that name a file only a checkout has (the wheel user has none)"
     assert found["inventories"], "no help example names a seed inventory: this test lost its subject"
     for word, shipped in found["inventories"].items():
         assert shipped != "None" and wheel_install.venv in Path(shipped).parents, f"{word}: no packaged copy"
