@@ -4,8 +4,9 @@ The design card puts `playbooks/`, `roles/`, `templates/`, `inventory/` and `doc
 repository, where an Ansible user looks; pyproject.toml's package-dir maps each into the wheel under the package
 (`stepdeploy/playbooks`, `stepdeploy/roles`, `stepdeploy/templates`; the seed inventory and docs as
 `stepdeploy/seed/inventory` and `stepdeploy/seed/docs`). An installed wheel finds them there; a checkout (an
-editable install, or PYTHONPATH) has no copy inside the package and finds them where they stand.
-tests/unit/test_wheel.py proves the wheel holds every one of their files."""
+editable install, or PYTHONPATH) has no copy inside the package and finds them where they stand. (Paths, not
+`importlib.resources.files("stepdeploy.roles")`: setuptools' editable install does not import such a mapped
+directory as a package.) tests/unit/test_wheel.py proves the wheel holds every one of their files."""
 
 from __future__ import annotations
 
