@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# what setuptools reads to build the wheel (inventory/ and docs/ ship as stepdeploy/seed/: pyproject.toml)
-BUILD_INPUTS = ("pyproject.toml", "README.md", "stepdeploy", "inventory", "docs")
+# What setuptools reads to build the wheel: the top-level playbooks/, roles/ and templates/ ship as
+# stepdeploy/<name>, inventory/ and docs/ as stepdeploy/seed/<name> (pyproject.toml's package-dir).
+SHIPPED_AS = {"playbooks": "stepdeploy/playbooks", "roles": "stepdeploy/roles", "templates": "stepdeploy/templates",
+              "inventory": "stepdeploy/seed/inventory", "docs": "stepdeploy/seed/docs"}
+BUILD_INPUTS = ("pyproject.toml", "README.md", "stepdeploy", *SHIPPED_AS)
 SCRIPTS_OF = ("ansible-core", "ansible-runner")  # dependencies whose console scripts stepdeploy runs
 
 

@@ -14,9 +14,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColum
 from stepdeploy import corpus
 from stepdeploy.cli.output import emit_json, err, info, out
 
-EXAMPLE = ("Example: stepdeploy data prepare README.md docs/ --train-tokenizer 4096 --out data/corpus\n\n"
-           "Other tokenizers: --tokenizer path/to/tokenizer.json (a Hugging Face tokenizer, read offline), "
-           "--tokenizer byte (the default).")
+EXAMPLE = ("Example: stepdeploy data prepare texts/ --train-tokenizer 4096 --out data/corpus\n\n"
+           "texts/: a directory of your own text files. Other tokenizers: --tokenizer path/to/tokenizer.json "
+           "(a Hugging Face tokenizer, read offline), --tokenizer byte (the default).")
 app = typer.Typer(help="Training data: tokenize local text into megatron-core's indexed dataset format.",
                   no_args_is_help=True, rich_markup_mode=None, epilog=EXAMPLE)
 

@@ -70,7 +70,8 @@ def find_sources(paths: Iterable[Path]) -> list[Source]:
         else:
             raise _not_regular(path, info.st_mode)
     if not found:
-        raise BadInput("no input files", hint="stepdeploy data prepare README.md docs/ --out data/corpus")
+        raise BadInput("no input files", hint="give text files or directories of them: "
+                       "stepdeploy data prepare texts/ --out data/corpus")
     return found
 
 

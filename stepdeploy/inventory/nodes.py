@@ -19,7 +19,7 @@ STEPDEPLOY_VARS = (
     "stepdeploy_gpus_per_node", "stepdeploy_gpu_model", "stepdeploy_arch", "stepdeploy_train_iface",
     "stepdeploy_fabric", "stepdeploy_ib_hcas", "stepdeploy_ib_rate", "stepdeploy_profile", "stepdeploy_ssh_known_hosts",
     *("stepdeploy_executor", "stepdeploy_slurm_controller", "stepdeploy_slurm_partition", "stepdeploy_slurm_tasks"),
-    "stepdeploy_slurm",  # ansible/playbooks/site.yml: run the slurm role on every host (no `slurm` group)
+    "stepdeploy_slurm",  # playbooks/site.yml: run the slurm role on every host (no `slurm` group)
 )
 # Cluster-wide settings: every host must agree (set them once in group_vars/all.yml or [all:vars]).
 CLUSTER_VARS = ("stepdeploy_executor", "stepdeploy_slurm_controller", "stepdeploy_slurm_partition",

@@ -1,7 +1,8 @@
 """Run site.yml on an inventory through ansible-runner, feeding events to a callback.
 
-The playbooks and roles ship inside the package (stepdeploy/ansible/playbooks, stepdeploy/ansible/roles), so
-an installed wheel provisions as a source checkout does. STEPDEPLOY_HOME, when set, names a directory holding
+The playbooks and roles are the checkout's top-level playbooks/ and roles/, shipped in the wheel as
+stepdeploy/playbooks and stepdeploy/roles (stepdeploy/resources.py), so an installed wheel provisions as a source
+checkout does. STEPDEPLOY_HOME, when set, names a directory holding
 `playbooks/` and `roles/` to use instead (a site's own copy of them).
 
 The infiniband role fetches every node's NCCL facts (/etc/stepdeploy/nccl.json) back to the controller, into
@@ -15,17 +16,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from stepdeploy import ansible_run
+from stepdeploy import ansible_run, resources
 from stepdeploy.errors import BadInput, MissingPrerequisite
 from stepdeploy.inventory import load_cluster
 from stepdeploy.provision.progress import Progress
 from stepdeploy.render.facts import default_facts_dir, facts_file
-
-ANSIBLE_DIR = Path(str(resources.files("stepdeploy").joinpath("ansible")))
 
 
 @dataclass(frozen=True)
@@ -60,24 +58,23 @@ class ProvisionResult:
         return self.log_dir / "stdout.log"
 
 
-def ansible_dir() -> Path:
-    """The directory holding playbooks/ and roles/: STEPDEPLOY_HOME when set, else the package's own."""
-    home = os.environ.get("STEPDEPLOY_HOME")
-    return Path(home) if home else ANSIBLE_DIR
-
-
 def playbooks_dir() -> Path:
-    path = ansible_dir() / "playbooks"
+    """STEPDEPLOY_HOME/playbooks when STEPDEPLOY_HOME is set, else the ones stepdeploy ships."""
+    home = os.environ.get("STEPDEPLOY_HOME")
+    path = Path(home) / "playbooks" if home else resources.playbooks_dir()
     if not path.is_dir():
         hint = ("unset STEPDEPLOY_HOME to use the playbooks stepdeploy ships, or point it at a directory holding "
-                "playbooks/ and roles/" if os.environ.get("STEPDEPLOY_HOME")
-                else "reinstall stepdeploy (its package ships playbooks/ and roles/ under stepdeploy/ansible/)")
+                "playbooks/ and roles/" if home
+                else "reinstall stepdeploy (its package ships playbooks/ and roles/ as stepdeploy/playbooks and "
+                "stepdeploy/roles)")
         raise MissingPrerequisite(f"no playbooks directory at {path}", hint=hint)
     return path
 
 
 def roles_dir() -> Path:
-    return ansible_dir() / "roles"
+    """STEPDEPLOY_HOME/roles when STEPDEPLOY_HOME is set, else the ones stepdeploy ships."""
+    home = os.environ.get("STEPDEPLOY_HOME")
+    return Path(home) / "roles" if home else resources.roles_dir()
 
 
 def default_log_dir() -> Path:

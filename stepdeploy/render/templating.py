@@ -6,13 +6,15 @@ from __future__ import annotations
 import hashlib
 import shlex
 from functools import cache
-from importlib import resources
 from pathlib import Path
 
 import jinja2
 
-# Shipped inside the package (stepdeploy/templates/), so an installed wheel renders as a source checkout does.
-TEMPLATES_DIR = Path(str(resources.files("stepdeploy").joinpath("templates")))
+from stepdeploy.resources import templates_dir
+
+# The checkout's top-level templates/, shipped in the wheel as stepdeploy/templates/ (stepdeploy/resources.py), so an
+# installed wheel renders as a source checkout does.
+TEMPLATES_DIR = templates_dir()
 
 
 def shell_quote(value: object) -> str:

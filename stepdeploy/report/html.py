@@ -1,6 +1,6 @@
 """The HTML report: one self-contained file (inline CSS, no scripts) with its PNG plots written next to it.
 
-Rendered from stepdeploy/templates/report.html.j2 with StrictUndefined and autoescape on: every value from the ledger
+Rendered from templates/report.html.j2 with StrictUndefined and autoescape on: every value from the ledger
 (stage reasons, event messages, gate names, the run's config) is HTML-escaped where it lands.
 """
 

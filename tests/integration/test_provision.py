@@ -19,7 +19,7 @@ from stepdeploy.remote.ssh import connection
 from .conftest import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPAT_PLAY = ROOT / "stepdeploy" / "ansible" / "playbooks" / "compat.yml"
+COMPAT_PLAY = ROOT / "playbooks" / "compat.yml"
 STANDIN_GB10_SMI = "#!/bin/sh\necho 'NVIDIA GB10, 12.1, 122572'\n"
 
 

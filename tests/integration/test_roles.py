@@ -32,7 +32,7 @@ from stepdeploy.sim.state import SimState
 from .conftest import require_sim
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
+ANSIBLE = REPO_ROOT  # playbooks/ and roles/: the checkout's top level (the design card's layout)
 SITE = ANSIBLE / "playbooks" / "site.yml"
 PROFILE = "sim-standin"
 PROVISIONED = ("node1", "node2")

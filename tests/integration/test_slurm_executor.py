@@ -31,7 +31,7 @@ from .conftest import close_ssh_masters, stepdeploy_cli
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--seq", "64", "--gbs", "4", "--warmup-iterations", "4", "--checkpoint-interval", "2",
         "--pg-timeout", "30", "--executor", "slurm"]
-ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
+ANSIBLE = REPO_ROOT  # playbooks/ and roles/: the checkout's top level (the design card's layout)
 SITE = ANSIBLE / "playbooks" / "site.yml"
 
 

@@ -28,7 +28,7 @@ from stepdeploy.sim.cluster import SimConfig
 from .conftest import close_ssh_masters, private_cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
+ANSIBLE = REPO_ROOT  # playbooks/ and roles/: the checkout's top level (the design card's layout)
 SITE = ANSIBLE / "playbooks" / "site.yml"
 PROFILE = "sim-cpu"  # no NVIDIA roles: the simulated nodes have no GPU
 SERVICE = "/usr/local/sbin/stepdeploy-slurm-service"

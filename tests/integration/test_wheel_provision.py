@@ -57,7 +57,7 @@ def test_provision_check_from_the_installed_wheel(fresh: Cluster, wheel_install:
     assert recap["check"] is True and set(recap["hosts"]) == {NODE}
     assert recap["hosts"][NODE]["status"] == "done" and recap["hosts"][NODE]["failed"] == 0, recap
     assert recap["hosts"][NODE]["changed"] > 0, "check mode should report what it would change on a fresh node"
-    compat = yaml.safe_load((REPO / "stepdeploy/ansible/playbooks/compat.yml").read_text())[0]["tasks"]
+    compat = yaml.safe_load((REPO / "playbooks/compat.yml").read_text())[0]["tasks"]
     assert recap["tasks"] > len(compat) + 1, "only the compatibility play ran: the roles were not found"
     command = json.loads((tmp_path / "log" / "artifacts" / "run" / "command").read_text())
     (playbook,) = [Path(arg) for arg in command["command"] if arg.endswith("site.yml")]

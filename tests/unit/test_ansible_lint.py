@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE = REPO_ROOT / "stepdeploy" / "ansible"  # playbooks/ and roles/, shipped inside the package
+ANSIBLE = REPO_ROOT  # playbooks/ and roles/: the checkout's top level (the design card's layout)
 
 
 def _ansible_lint() -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-MODULE = Path(__file__).resolve().parents[2] / "stepdeploy/ansible/roles/infiniband/library/stepdeploy_nccl_facts.py"
+MODULE = Path(__file__).resolve().parents[2] / "roles/infiniband/library/stepdeploy_nccl_facts.py"
 _spec = importlib.util.spec_from_file_location("stepdeploy_nccl_facts", MODULE)
 assert _spec and _spec.loader
 nccl_facts = importlib.util.module_from_spec(_spec)

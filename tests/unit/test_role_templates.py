@@ -13,7 +13,7 @@ import jinja2
 import pytest
 import yaml
 
-ROLES = Path(__file__).resolve().parents[2] / "stepdeploy" / "ansible" / "roles"
+ROLES = Path(__file__).resolve().parents[2] / "roles"
 
 
 def render(role: str, template: str, **overrides: object) -> str:

@@ -24,7 +24,7 @@ from stepdeploy.render.facts import default_facts_dir, facts_for, load_facts, pa
 
 from .cases import cpu_nodes, render
 
-MODULE = Path(__file__).resolve().parents[3] / "stepdeploy/ansible/roles/infiniband/library/stepdeploy_nccl_facts.py"
+MODULE = Path(__file__).resolve().parents[3] / "roles/infiniband/library/stepdeploy_nccl_facts.py"
 _spec = importlib.util.spec_from_file_location("stepdeploy_nccl_facts_for_render", MODULE)
 assert _spec and _spec.loader
 nccl_module = importlib.util.module_from_spec(_spec)

@@ -50,7 +50,7 @@ def _play(tmp_path: Path, name: str, *, check: bool, fetch_dir: Path):
     (tmp_path / name).mkdir()
     return ansible_run.run(tmp_path / name, inventory, playbook=str(play), cmdline="--check" if check else None,
                            extravars={"infiniband_nccl_facts_fetch_dir": str(fetch_dir)},
-                           envvars={"ANSIBLE_ROLES_PATH": str(ROOT / "stepdeploy" / "ansible" / "roles")})
+                           envvars={"ANSIBLE_ROLES_PATH": str(ROOT / "roles")})
 
 
 def _task_status(runner, task: str) -> str:
