@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stepdeploy import safeio
 from stepdeploy.errors import BadInput
-from stepdeploy.inventory.model import ExecutorKind
+from stepdeploy.executor_kinds import ExecutorKind
 
 HINT = "stepdeploy render -i INVENTORY -m MODEL --out runs/r1"  # where the manifest does not say what it was
 MANIFEST_FILE = "manifest.json"

@@ -11,7 +11,7 @@ from functools import cache
 from typing import Any, ClassVar, Literal
 
 from stepdeploy.errors import BadInput, StepdeployError
-from stepdeploy.inventory.model import ExecutorKind
+from stepdeploy.executor_kinds import ExecutorKind
 from stepdeploy.remote.executor import Executor
 from stepdeploy.rollout import gates
 from stepdeploy.rollout.stages import STAGES

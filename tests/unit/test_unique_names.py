@@ -24,8 +24,6 @@ ALLOWED = {
     # Peers: workload/torch_ckpt.py and workload/megatron_ckpt.py implement one checkpoint interface, each engine
     # loads its own (loose files on the nodes, chosen by module like the executors).
     "Saver": "one checkpoint interface, one implementation per engine module",
-    # pending: wtB renames (monitor/model.py's Thresholds); remove at merge
-    "Thresholds": "pending: wtB renames",
     # pending: outside wtC's files; renames proposed in wtC's report
     "Gpu": "pending: compat.py (a GPU model) vs preflight/gpu.py (one GPU a node reports)",
     "Verdict": "pending: compat.py (a stack profile's) vs plan/search.py (a layout's)",
