@@ -6,7 +6,6 @@ Exit codes: 0 rendered (or would be, with --dry-run), 1 no layout fits (or the -
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -84,7 +83,7 @@ def render(
     if not dry_run:
         write_run(rendered, out_dir)
     if as_json:
-        emit_json(json.loads(rendered.file("manifest.json").text))  # the file as written, key order kept
+        emit_json(manifest.to_json())  # the keys of the file as written, in its order
         return
     verb = "would write" if dry_run else "wrote"
     parallel = rendered.workload["parallel"]

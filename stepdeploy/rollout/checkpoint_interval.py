@@ -49,34 +49,6 @@ def predicted_step(cluster: Cluster, config: RolloutConfig) -> tuple[float | Non
     return summary.get("predicted_step_s"), "the planner's prediction"
 
 
-def step_estimate(r: AttemptService) -> tuple[float, str]:
-    """The target's step time: measured by the warm-up stage (its steady step), else the planner's prediction."""
-    for event in r.ledger.events(r.run_id):
-        data = event.get("data") or {}
-        if event.get("stage") == "warmup" and data.get("steady_step_s"):
-            return float(data["steady_step_s"]), "measured in the warm-up"
-    for attempt in r.ledger.attempts(r.run_id, "warmup"):
-        predicted = (attempt["detail"].get("plan") or {}).get("predicted_step_s")
-        if predicted:
-            return float(predicted), "the planner's prediction"
-    return planned_step(r.cluster, r.config)
-
-
-def startup_estimate(r: AttemptService) -> float:
-    """Seconds from a start of the target to the end of its first step, as the warm-up stage measured them (its
-    attempt's start in the ledger to its `first_step` phase): what a soak spends before it trains. 0 when the
-    warm-up did not measure it (it did not run, or its phases were not fetched)."""
-    for attempt in r.ledger.attempts(r.run_id, "warmup"):
-        run = attempt["detail"].get("local_run")
-        if not isinstance(run, str) or not isinstance(attempt.get("started"), int | float):
-            continue
-        first = next((p for p in read_phases(Path(run) / "fetched") if p.get("phase") == "first_step"
-                      and isinstance(p.get("time"), int | float)), None)
-        if first is not None:
-            return max(0.0, float(first["time"]) - float(attempt["started"]))
-    return 0.0
-
-
 def planned_step(cluster: Cluster, config: RolloutConfig) -> tuple[float, str]:
     predicted, why = predicted_step(cluster, config)
     if predicted:
@@ -96,7 +68,7 @@ def save_durations(phase_lines: list[dict[str, Any]]) -> list[float]:
 
 def measured_save(r: AttemptService) -> tuple[float, str] | None:
     """The median save stall of the target's attempts so far (the warm-up's, the scale ladder's target rung)."""
-    runs = {a["detail"]["local_run"]: None for a in r.ledger.attempts(r.run_id)  # a soak's attempts share one
+    runs = {a["detail"]["local_run"]: None for a in r.attempts(None)  # a soak's attempts share one
             if (a["detail"].get("rung") or {}).get("model") == r.config.model and a["detail"].get("local_run")}
     durations = [d for run in runs for d in save_durations(read_phases(Path(run) / "fetched"))]
     if not durations:

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stepdeploy.errors import BadInput
 from stepdeploy.inventory.model import Cluster, Node
-from stepdeploy.ledger import Ledger
 from stepdeploy.remote.executor import Executor, RunStatus
 
 KINDS = ("kill", "hang", "link-down", "node-loss")
@@ -206,15 +206,18 @@ class NodeFaults:
 
 # --- firing (side effects; called from the soak's follow loop) --------------------------------------------------
 class Injector:
-    """Fires the due injections of a soak through `executor`, each recorded in the ledger before it acts."""
+    """Fires the due injections of a soak through `executor`, each recorded (through `record`, the stage's event
+    sink) before it acts."""
 
-    def __init__(self, injections: list[Injection], *, ledger: Ledger, run_id: str, cluster: Cluster,
-                 executor: Executor, started: float, faults: FaultActions | None = None) -> None:
-        """`faults`: how link-down and node-loss act (None: on real nodes, NodeFaults)."""
-        self.injections, self.ledger, self.run_id = injections, ledger, run_id
+    def __init__(self, injections: list[Injection], *, record: Callable[[str, dict[str, Any]], None],
+                 fired: set[str], cluster: Cluster, executor: Executor, started: float,
+                 faults: FaultActions | None = None) -> None:
+        """`record(message, data)`: an `inject` event in the ledger; `fired`: the specs earlier attempts (or an
+        earlier controller) already fired -- an injection fires once; `faults`: how link-down and node-loss act
+        (None: on real nodes, NodeFaults)."""
+        self.injections, self.record, self.fired = injections, record, set(fired)
         self.cluster, self.executor, self.started = cluster, executor, started
         self.faults: FaultActions = faults or NodeFaults()
-        self.fired = {e["data"].get("spec") for e in ledger.events(run_id) if e["kind"] == "inject"}
 
     def tick(self, status: RunStatus, now: float) -> list[str]:
         """Fire what is due; returns one line per injection fired."""
@@ -224,12 +227,12 @@ class Injector:
             if target is None:
                 continue  # its rank has not started yet (or is between attempts): try on the next poll
             self.fired.add(inj.spec)
-            self.ledger.event(self.run_id, "inject", f"injecting {inj.spec} on {target['node']}"
-                              + (f" (rank {target['rank']}, pid {target['pid']})" if "rank" in target else ""),
-                              stage="soak", data={**inj.to_json(), **target, "time": now})
+            self.record(f"injecting {inj.spec} on {target['node']}"
+                        + (f" (rank {target['rank']}, pid {target['pid']})" if "rank" in target else ""),
+                        {**inj.to_json(), **target, "time": now})
             ok, detail = self._act(inj, target)
-            self.ledger.event(self.run_id, "inject", f"{inj.spec}: {'done' if ok else 'FAILED'}: {detail}",
-                              stage="soak", data={"spec_result": inj.spec, "ok": ok, "detail": detail})
+            self.record(f"{inj.spec}: {'done' if ok else 'FAILED'}: {detail}",
+                        {"spec_result": inj.spec, "ok": ok, "detail": detail})
             lines.append(f"injected {inj.spec}: {detail}")
         return lines
 

@@ -252,9 +252,10 @@ def _watch(service: AttemptService, executor: Executor, local: Path, injections:
                                    MonitorLimits(heartbeat_timeout_s=config.heartbeat_timeout_s),
                                    lambda kind, msg, data: service.event(NAME, kind, msg, data),
                                    config.monitor_interval_s)
-    # inject.Injector records its firings in the ledger itself (it predates the service's calls)
-    injector = inject.Injector(injections, ledger=service.ledger, run_id=service.run_id, cluster=service.cluster,
-                               executor=executor, started=soak_started, faults=service.faults) if injections else None
+    fired = {e["data"].get("spec") for e in service.events(NAME, kind="inject")}
+    injector = inject.Injector(injections, record=lambda msg, data: service.event(NAME, "inject", msg, data),
+                               fired=fired, cluster=service.cluster, executor=executor, started=soak_started,
+                               faults=service.faults) if injections else None
     # the live ratio starts from the lines the earlier attempts' collection fetched (local files, no new fetch)
     return Watch(service, monitor, injector, goodput.LiveGoodput(soak_started, read_metrics(local / "fetched")))
 
