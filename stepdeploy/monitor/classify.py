@@ -7,7 +7,8 @@ Rules, in order (the first that holds wins):
              more): those ranks waited on the silent node, so they are its consequences, never a `link` or `hang`
              of their own. A rank that answers and died or failed on its own is a crash first (below). A shorter
              silence the run rides out (a link blip: the node answers again, training goes on) is no failure.
-  link       a monitor finding says a link went down (IB port not ACTIVE, interface not up, link_downed rose)
+  link       a monitor finding fails a link (IB port not ACTIVE, interface not up, link_downed rose, or a link that
+             flapped while ranks failed); a flap the run trained through is a warning finding, not weighed here
   crash      a rank died without exiting (killed, segfault) or exited with its own error (not a collective
              failure, not SIGTERM from the stop)
   hang       a running rank's heartbeat is older than the timeout, or the monitor reported a hang

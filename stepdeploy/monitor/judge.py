@@ -4,6 +4,10 @@ Every judgement reports a change, never a standing total: a counter that rose, a
 an XID logged after the previous sample. A condition already present in the previous sample was reported
 then (or by preflight), so a steady node raises nothing, however old its counters. A counter that went
 down was reset (driver reload, reboot): its delta is its new value.
+
+A `link` finding is a failure (a port or interface not up now, link_downed rose) except one: an interface that
+went down and came up again between two samples (its carrier_down_count rose, it is up now) is a `link` warning.
+A judgement sees samples only; whether the run trained through the flap is for its caller to weigh.
 """
 
 from __future__ import annotations
@@ -123,8 +127,10 @@ def _netdev_pair(before: NetDev, after: NetDev, limits: MonitorLimits) -> list[F
                              fix=LINK_FIX))
     flaps = delta(before.stats.get(CARRIER_DOWN), after.stats.get(CARRIER_DOWN))
     if flaps and CARRIER_DOWN in before.stats:  # down and up again between two samples: operstate misses it
-        found.append(Finding("link", FAIL, after.name, f"link went down {flaps} time(s) since the previous sample "
-                             f"(now {after.operstate})", fix=LINK_FIX))
+        # up again: a warning here; whether the run rode it out is the soak's call (rollout/monitors.grade_flaps)
+        severity = WARN if after.operstate == "up" else FAIL
+        found.append(Finding("link", severity, after.name, f"link went down {flaps} time(s) since the previous "
+                             f"sample (now {after.operstate})", fix=LINK_FIX))
     for name in NETDEV_ERROR_STATS + NETDEV_DROP_STATS:
         rise = delta(before.stats.get(name), after.stats.get(name))
         limit = limits.netdev_drops_per_interval if name in NETDEV_DROP_STATS else 0

@@ -90,10 +90,10 @@ class RunStatus:
 
     def lost_nodes(self, after_s: float) -> list[NodeStatus]:
         """The unreachable nodes that count as lost: silent for `after_s` or more (a shorter silence may be a blip
-        the run rides out), else at once when no node answers or the silence is not measured (silent_s None)."""
-        unreachable = [n for n in self.nodes if n.state == UNREACHABLE]
-        everyone = len(unreachable) == len(self.nodes)
-        return [n for n in unreachable if everyone or n.silent_s is None or n.silent_s >= after_s]
+        the run rides out), or at once when the silence is not measured (silent_s None: the node answered, its
+        probe failed). Also when no node answers (a one-node run, the controller's own link): the controller
+        cannot tell a blip from a loss before the timeout, and waits it out as for one silent node."""
+        return [n for n in self.nodes if n.state == UNREACHABLE and (n.silent_s is None or n.silent_s >= after_s)]
 
     def culprits(self) -> list[str]:
         """Which node/rank brought the run down, first causes before consequences."""

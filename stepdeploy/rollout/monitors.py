@@ -4,7 +4,8 @@ Every `monitor_interval_s` the monitor's probe (stepdeploy.monitor.probe) runs o
 through the executor's run_command; each node's sample is judged against that node's previous sample
 (hardware + training judgements: deltas, never totals), findings go to the ledger, and the Prometheus
 textfile in <run dir>/monitor/stepdeploy.prom is rewritten. `decide()` (pure) says when a run in flight has
-failed and how (crash, hang, link, node-loss), from the executor's poll and the findings.
+failed and how (crash, hang, link, node-loss), from the executor's poll and the findings; `grade_flaps()` (pure)
+says whether a link that flapped between two samples failed the run or only warns.
 """
 
 from __future__ import annotations
@@ -33,15 +34,48 @@ def judge_round(prev: dict[str, NodeSample], current: list[NodeSample], limits: 
     return found
 
 
+def not_training(status: RunStatus, heartbeat_timeout_s: float) -> list[str]:
+    """What shows the run did not train on (empty: it did): a rank that died or exited with an error (a failed
+    collective included), a running rank whose heartbeat is older than the timeout."""
+    found = [f"rank {r.rank} on {r.node}: exited {r.code}" for r in status.ranks
+             if r.state == EXITED and r.code not in (0, None)]
+    found += [f"rank {r.rank} on {r.node}: died" for r in status.ranks if r.state == "died"]
+    found += [f"rank {r.rank} on {r.node}: no heartbeat for {r.heartbeat_age_s:.0f} s" for r in status.ranks
+              if r.state == RUNNING and r.heartbeat_age_s is not None and r.heartbeat_age_s > heartbeat_timeout_s]
+    return found
+
+
+def grade_flaps(found: list[Finding], status: RunStatus, heartbeat_timeout_s: float) -> list[Finding]:
+    """A link that went down and came up again between two samples (the judge's `link` warning) stays a warning
+    while the run trained on through it (a blip TCP rode out: recorded, shown in the report, no restart), and is
+    a failure, acted on at once, when the poll of the same round shows ranks failing or stuck."""
+    failing = not_training(status, heartbeat_timeout_s)
+    graded = []
+    for f in found:
+        if f.kind == "link" and f.severity is Severity.WARN:
+            if failing:
+                f = Finding(f.kind, Severity.FAIL, f.subject, f"{f.message}; the run did not train on: {failing[0]}",
+                            f.node, f.fix)
+            else:
+                f = Finding(f.kind, f.severity, f.subject, f"{f.message}; the run trained on (heartbeats within "
+                            f"{heartbeat_timeout_s:.0f} s, no collective failed): a warning, no restart", f.node, f.fix)
+        graded.append(f)
+    return graded
+
+
 def decide(status: RunStatus, findings: list[Finding], heartbeat_timeout_s: float,
            proc_states: dict[int, str] | None = None) -> Classification | None:
     """The failure of a run in flight, or None while it is healthy (or its fate is not yet clear).
 
-    A crash, a hang, a link finding and an unreachable node are acted on at once. Ranks that exited only
-    because their collectives failed (code 3) are a consequence: while another rank still runs, it may be
-    the stuck one (a hang is declared when its heartbeat passes the timeout), so `link` from exits alone is
-    decided only once nothing of the run runs any more. `proc_states` (rank -> process state, from the
-    monitor) names the culprit of a hang: a stopped (T) or uninterruptible (D) rank, not its sleeping peers."""
+    A crash, a hang and a link failure (a port or interface not up, link_downed rose, or a flap while ranks
+    failed: grade_flaps) are acted on at once; a flap the run trained through is a warning, not in `findings`.
+    An unreachable node is acted on once it is lost: silent for the heartbeat timeout, or at once when the run
+    shows it did not ride the silence out (classify's node-loss rule); a shorter silence the run rides out (a
+    link blip) is no failure. Ranks that exited only because their collectives failed (code 3) are a
+    consequence: while another rank still runs, it may be the stuck one (a hang is declared when its heartbeat
+    passes the timeout), so `link` from exits alone is decided only once nothing of the run runs any more.
+    `proc_states` (rank -> process state, from the monitor) names the culprit of a hang: a stopped (T) or
+    uninterruptible (D) rank, not its sleeping peers."""
     verdict = classify.classify(status, findings, heartbeat_timeout_s)
     if verdict is None:
         return None
@@ -114,7 +148,7 @@ class SoakMonitor:
             return []
         results = self.executor.run_command(probe.remote_command(self.spec), targets)
         samples = [probe.parse(r.stdout, r.node, self.spec, now) for r in results if r.exit_code is not None]
-        found = judge_round(self.prev, samples, self.limits)
+        found = grade_flaps(judge_round(self.prev, samples, self.limits), status, self.limits.heartbeat_timeout_s)
         for sample in samples:
             self.prev[sample.node] = sample
         self.rounds += 1

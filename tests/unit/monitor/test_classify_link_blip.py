@@ -109,10 +109,19 @@ def test_a_run_that_ended_where_it_answers_while_a_node_is_silent_is_its_node_lo
     assert verdict.evidence[-1] == "no rank runs any more on n1 (exit codes 0, 143)"
 
 
-def test_silences_not_measured_or_of_every_node_are_lost_at_once() -> None:
-    """RunStatus.lost_nodes' rule: no silence measured (silent_s None: the node answered, its probe failed), or no
-    node answers at all (nothing left to ride a blip out with)."""
+def test_a_silence_not_measured_is_lost_at_once() -> None:
+    """RunStatus.lost_nodes' rule: no silence measured (silent_s None: the node answered, its probe failed)."""
     assert classify(_n2_silent(None), heartbeat_timeout_s=TIMEOUT).kind == "node-loss"
-    everyone = RunStatus((_silent("n1", 5.0), _silent("n2", 5.0)))
+
+
+def test_when_no_node_answers_the_timeout_is_waited_out() -> None:
+    """Every node silent (a one-node run's blip, or the controller's own link): nothing shows whether the run rides
+    it out, so the silence is a node loss at the heartbeat timeout, as for one silent node -- not at once."""
+    one_node = RunStatus((_silent("n1", 20.0),))
+    assert classify(one_node, heartbeat_timeout_s=TIMEOUT) is None
+    assert classify(RunStatus((_silent("n1", 5.0), _silent("n2", 5.0))), heartbeat_timeout_s=TIMEOUT) is None
+    verdict = classify(RunStatus((_silent("n1", TIMEOUT),)), heartbeat_timeout_s=TIMEOUT)
+    assert (verdict.kind, verdict.node) == ("node-loss", "n1")
+    everyone = RunStatus((_silent("n1", TIMEOUT), _silent("n2", TIMEOUT)))
     verdict = classify(everyone, heartbeat_timeout_s=TIMEOUT)
     assert (verdict.kind, verdict.node) == ("node-loss", "n1") and len(verdict.evidence) == 2

@@ -65,7 +65,7 @@ def test_collective_exits_everywhere_are_link():
     assert verdict is not None and verdict.kind == "link"
 
 
-def test_link_finding_and_unreachable_node_act_at_once():
+def test_link_finding_and_lost_node_act_at_once():
     down = Finding("link", Severity.FAIL, "eth0", "interface up -> down", node="node2")
     verdict = monitors.decide(_status(_rank(0), _rank(1)), [down], 60)
     assert verdict is not None and (verdict.kind, verdict.node) == ("link", "node2")
@@ -92,17 +92,50 @@ def test_judge_round_compares_each_node_with_its_own_previous_sample():
     assert [(f.node, f.kind, f.subject) for f in found] == [("b", "link", "eth0")]
 
 
-def test_link_that_went_down_and_up_between_samples_is_a_link_failure():
-    def flaps(count: int):
-        body = faults.section(faults.recorded(2), "net") + f"\neth0/carrier_down_count:{count}"
-        return faults.parse(faults.with_section(faults.recorded(2), "net", body))
+def _flaps(count: int, operstate: str = "up"):
+    body = faults.section(faults.recorded(2), "net") + f"\neth0/carrier_down_count:{count}"
+    return faults.parse(faults.set_operstate(faults.with_section(faults.recorded(2), "net", body), "eth0", operstate))
 
-    before, after = flaps(0), flaps(2)
-    assert before.netdevs[0].stats["carrier_down_count"] == 0
+
+def test_link_that_went_down_and_up_between_samples_is_a_link_warning_from_the_judge():
+    before, after = _flaps(0), _flaps(2)
+    assert before.netdevs[0].stats["carrier_down_count"] == 0 and after.netdevs[0].operstate == "up"
     found = monitors.judge_round({"h200": before}, [after], monitors.MonitorLimits())
-    assert [(f.kind, f.severity, f.subject) for f in found] == [("link", Severity.FAIL, "eth0")]
+    assert [(f.kind, f.severity, f.subject) for f in found] == [("link", Severity.WARN, "eth0")]
     assert "went down 2 time(s)" in found[0].message
     assert monitors.judge_round({"h200": after}, [after], monitors.MonitorLimits()) == []
+    # still down: a failure, whatever the run does
+    down = monitors.judge_round({"h200": before}, [_flaps(1, "down")], monitors.MonitorLimits())
+    assert {(f.kind, f.severity) for f in down} == {("link", Severity.FAIL)} and len(down) == 2
+
+
+def test_a_flap_the_run_trained_through_is_a_warning_not_a_restart():
+    """Issue 36 item 7: a 20 s blip that TCP rode out (heartbeats within the timeout, no collective failed)."""
+    flap = monitors.judge_round({"h200": _flaps(0)}, [_flaps(1)], monitors.MonitorLimits())
+    training = _status(_rank(0, age=35.0), _rank(1, age=34.0))  # the stall of the blip, under the 60 s timeout
+    graded = monitors.grade_flaps(flap, training, 60)
+    assert [(f.kind, f.severity) for f in graded] == [("link", Severity.WARN)]
+    assert "the run trained on" in graded[0].message and "a warning, no restart" in graded[0].message
+    assert monitors.fail_findings(graded) == []
+    assert monitors.decide(training, monitors.fail_findings(graded), 60) is None
+
+
+def test_a_flap_with_ranks_failing_is_a_link_failure_at_once():
+    flap = monitors.judge_round({"h200": _flaps(0)}, [_flaps(1)], monitors.MonitorLimits())
+    for failing in (_status(_rank(0), _rank(1, EXITED, code=3), node_states={"node2": EXITED}),  # collective failed
+                    _status(_rank(0, age=61.0), _rank(1, age=61.0))):  # stuck past the timeout
+        graded = monitors.grade_flaps(flap, failing, 60)
+        assert [(f.kind, f.severity) for f in graded] == [("link", Severity.FAIL)], failing
+        assert "the run did not train on: rank " in graded[0].message
+        verdict = monitors.decide(failing, monitors.fail_findings(graded), 60)
+        assert verdict is not None and (verdict.kind, verdict.node) == ("link", "h200"), verdict
+        assert verdict.evidence[0].startswith("monitor: h200 eth0: link went down 1 time(s)")
+
+
+def test_grading_leaves_other_findings_alone():
+    down = Finding("link", Severity.FAIL, "eth0", "interface up -> down", node="node2")
+    drops = Finding("netdev", Severity.WARN, "eth0", "rx_dropped +500", node="node2")
+    assert monitors.grade_flaps([down, drops], _status(_rank(0), _rank(1)), 60) == [down, drops]
 
 
 def test_standin_nvidia_smi_answers_the_monitors_query(tmp_path):
