@@ -30,7 +30,7 @@ from stepdeploy.rollout.config import (
     parse_mtbf,
 )
 from stepdeploy.rollout.inject import parse_all as parse_injections
-from stepdeploy.rollout.stages import parse_stages
+from stepdeploy.rollout.stage_names import parse_stages
 
 app = typer.Typer(help="Staged rollout: warmup, scaling ladder, soak — gated, resumable, recorded in a ledger.",
                   epilog="Example: stepdeploy rollout run -i inventory/examples/hgx-h100-pair.ini "

@@ -14,7 +14,7 @@ from stepdeploy.errors import BadInput, StepdeployError
 from stepdeploy.executor_kinds import ExecutorKind
 from stepdeploy.remote.executor import Executor
 from stepdeploy.rollout import gates
-from stepdeploy.rollout.stages import STAGES
+from stepdeploy.rollout.stage_names import STAGES
 
 AUTO = "auto"  # --checkpoint-interval auto: Young/Daly's interval, resolved when the soak starts
 

@@ -9,7 +9,8 @@ Each stage is a module under rollout/stages/ with one object, STAGE, that implem
                            duration, and the exact names of the gates it will judge (the names `run` records:
                            the service refuses a verdict whose gate the plan does not list)
 
-Modules are imported only when their stage is used. A fourth stage is one such module and one line below.
+Modules are imported only when their stage is used. A fourth stage is one such module and one line in
+rollout/stage_names.py (the names, below the configuration, which checks them).
 """
 
 from __future__ import annotations
@@ -17,19 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Protocol
 
-from stepdeploy.errors import BadInput
+from stepdeploy.rollout.stage_names import REGISTRY, STAGES, parse_stages
 
 if TYPE_CHECKING:
     from stepdeploy.inventory.model import Cluster
     from stepdeploy.rollout.config import RolloutConfig
     from stepdeploy.rollout.service import AttemptService
-
-REGISTRY = {
-    "warmup": "stepdeploy.rollout.stages.warmup",  # the target on every node, a few iterations
-    "scale": "stepdeploy.rollout.stages.scale",  # the scaling ladder: a proxy on 1 GPU .. the target on all nodes
-    "soak": "stepdeploy.rollout.stages.soak",  # the target for a duration: checkpoints, monitors, restarts
-}
-STAGES = tuple(REGISTRY)
 
 
 class Stage(Protocol):
@@ -44,14 +38,6 @@ def load(name: str) -> Stage:
     """The registered stage `name` (KeyError: not a stage)."""
     stage: Stage = importlib.import_module(REGISTRY[name]).STAGE
     return stage
-
-
-def parse_stages(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in STAGES]
-    if unknown or not names:
-        raise BadInput(f"unknown stage {', '.join(unknown) or '(none)'}; stages are {', '.join(STAGES)}")
-    return tuple(s for s in STAGES if s in names)  # always in rollout order
 
 
 __all__ = ["REGISTRY", "STAGES", "Stage", "load", "parse_stages"]
