@@ -80,25 +80,12 @@ class _Fields:
 def spec_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     """The ModelSpec of a Hugging Face config (`source` names the file in errors and in the spec's sources)."""
     f = _Fields(cfg, source)
-    model_type = cfg.get("model_type")
-    if not isinstance(model_type, str) or not model_type:
-        raise f.fail("no model_type: not a Hugging Face config.json")
-    if model_type in MLA_TYPES or "kv_lora_rank" in cfg or "q_lora_rank" in cfg:
-        raise f.fail(f"model_type {model_type}: multi-head latent attention (kv_lora_rank) is not something the "
-                     "megatron engine builds (it runs grouped-query attention only)", hint=REFUSAL_HINT)
-    if model_type not in DENSE_TYPES + MOE_TYPES:
-        raise f.fail(f"model_type {model_type} is not one the megatron engine builds; accepted: "
-                     f"{', '.join(DENSE_TYPES + MOE_TYPES)}", hint=REFUSAL_HINT)
+    model_type = _model_type(f, cfg)
     refused: list[str] = []
     layers = f.integer("num_hidden_layers")
     hidden = f.integer("hidden_size")
     heads = f.integer("num_attention_heads")
-    if "head_dim" in cfg and cfg["head_dim"] is not None:
-        head_dim = f.integer("head_dim")
-    elif hidden % heads:
-        raise f.fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no head_dim given")
-    else:
-        head_dim = hidden // heads
+    head_dim = _head_dim(f, cfg, hidden, heads)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         refused.append(f"hidden_act {act!r} (the engine's gated MLP is SwiGLU: silu)")
@@ -141,6 +128,28 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpe
         raise f.fail(f"model_type {model_type}: the megatron engine cannot build {'; '.join(refused)}",
                      hint=REFUSAL_HINT)
     return parse_model(spec, origin=source)
+
+
+def _model_type(f: _Fields, cfg: dict[str, Any]) -> str:
+    """The config's model_type, if it is one the megatron engine builds (else BadInput naming why)."""
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise f.fail("no model_type: not a Hugging Face config.json")
+    if model_type in MLA_TYPES or "kv_lora_rank" in cfg or "q_lora_rank" in cfg:
+        raise f.fail(f"model_type {model_type}: multi-head latent attention (kv_lora_rank) is not something the "
+                     "megatron engine builds (it runs grouped-query attention only)", hint=REFUSAL_HINT)
+    if model_type not in DENSE_TYPES + MOE_TYPES:
+        raise f.fail(f"model_type {model_type} is not one the megatron engine builds; accepted: "
+                     f"{', '.join(DENSE_TYPES + MOE_TYPES)}", hint=REFUSAL_HINT)
+    return model_type
+
+
+def _head_dim(f: _Fields, cfg: dict[str, Any], hidden: int, heads: int) -> int:
+    if "head_dim" in cfg and cfg["head_dim"] is not None:
+        return f.integer("head_dim")
+    if hidden % heads:
+        raise f.fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no head_dim given")
+    return hidden // heads
 
 
 def _description(cfg: dict[str, Any], model_type: str, eps: float) -> str:

@@ -17,6 +17,7 @@ from stepdeploy.cli.output import emit_json, err, info, out, warn
 from stepdeploy.render import RenderOptions, parse_env
 from stepdeploy.render.build import build, check_out_dir, write_run
 from stepdeploy.render.options import REMOTE_RUNS, SEED_OPTIONS, STAGE_ITERATIONS
+from stepdeploy.render.run import RenderedRun
 
 # `render --help`'s example (cli/app.py's epilog): it runs as written from a checkout (test_render_truths.py).
 # Not inventory/dgx.ini since issue 38: its seed-2024 stack (megatron-core 0.8.0, PyTorch 2.3.1) is refused for the
@@ -70,6 +71,18 @@ def render(
     if not dry_run:
         check_out_dir(out_dir)  # before the work of rendering: a run directory is never written twice
     rendered = build(inventory, model, layout, opts, facts_dir, force=force)
+    _notes(rendered)
+    if not dry_run:
+        write_run(rendered, out_dir)
+    if as_json:
+        emit_json(rendered.manifest.to_json())  # the keys of the file as written, in its order
+        return
+    _summary(rendered, out_dir, dry_run)
+
+
+def _notes(rendered: RenderedRun) -> None:
+    """What a reader of the rendering should know, to stderr: the planner's notes, a forced layout, where the NCCL
+    settings came from."""
     for note in rendered.notes:
         err.print(f"note: {note}", markup=False, soft_wrap=True)
     manifest = rendered.manifest
@@ -80,11 +93,11 @@ def render(
     if with_facts:
         err.print(f"NCCL settings of {', '.join(n.name for n in with_facts)} from the facts provisioning saved "
                   f"in {Path(str(with_facts[0].facts['path'])).parent}", markup=False, soft_wrap=True)
-    if not dry_run:
-        write_run(rendered, out_dir)
-    if as_json:
-        emit_json(manifest.to_json())  # the keys of the file as written, in its order
-        return
+
+
+def _summary(rendered: RenderedRun, out_dir: Path, dry_run: bool) -> None:
+    """The run written (or that would be), each file with its hash, and the next command."""
+    manifest = rendered.manifest
     verb = "would write" if dry_run else "wrote"
     parallel = rendered.workload["parallel"]
     adam = "fused AdamW on the host" if parallel["optimizer_cpu_offload"] else f"{parallel['optimizer']} AdamW"

@@ -42,7 +42,7 @@ INSECURE = insecure_option()
 
 @app.command("run", epilog="Example: stepdeploy rollout run -i inventory/examples/hgx-h100-pair.ini "
              "--model step-3.5-flash-slice-ep2 --stages warmup,scale,soak --soak-duration 72h")
-def run_cmd(
+def run_cmd(  # long: a flat table of 26 Typer options (44 lines); the body is 27 lines
     inventory: str = typer.Option(..., "--inventory", "-i", help="Ansible inventory."),
     model: str = typer.Option(..., "--model", "-m", help="Target catalog model."),
     stages: str = typer.Option("warmup,scale,soak", "--stages", help="Comma-separated: warmup,scale,soak."),
@@ -99,21 +99,7 @@ def run_cmd(
                            data=str(data.resolve()) if data else None, extra_env=parse_env(env),
                            thresholds=gates.Thresholds(min_scaling_efficiency=min_scaling_efficiency,
                                                        max_step_time_s=max_step_time))
-    parse_injections(config.inject)  # a bad --inject exits 2 before anything starts
-    if data is not None:
-        from stepdeploy.catalog import load_model
-        from stepdeploy.render.run import check_dataset
-
-        check_dataset(corpus.load(data), load_model(model))  # missing, changed or too wide for the model: exit 2
-    if config.heartbeat_timeout_s <= 0 or config.monitor_interval_s <= 0:
-        raise BadInput("--heartbeat-timeout and --monitor-interval must be longer than 0 s")
-    registry.check_kind(executor)
-    if config.inject and "soak" not in config.stages:
-        raise BadInput("--inject acts during the soak; add soak to --stages")
-    if config.mtbf_s is not None and config.checkpoint_interval != AUTO:
-        raise BadInput("--mtbf is what --checkpoint-interval auto computes the interval from",
-                       hint="add --checkpoint-interval auto, or drop --mtbf")
-    config = config.checked()
+    config = _checked(config, data)
     run_id = run_dir.name if run_dir else default_run_name(model, time.gmtime())
     check_run_name(run_id)
     run_dir = run_dir or Path("runs") / run_id
@@ -122,16 +108,40 @@ def run_cmd(
     if dry_run:
         print_plan(config, cluster)
         return
+    _make_run_dir(run_dir)
+    with controller_lock(run_dir):
+        ledger = Ledger(run_dir / "ledger.sqlite")
+        ledger.create_run(run_id, config.to_json(), list(config.stages))
+        _drive(run_dir, ledger, run_id, config, cluster)
+
+
+def _checked(config: RolloutConfig, data: Path | None) -> RolloutConfig:
+    """`rollout run`'s options judged together (exit 2 on the first that is wrong), before anything is made."""
+    parse_injections(config.inject)  # a bad --inject exits 2 before anything starts
+    if data is not None:
+        from stepdeploy.catalog import load_model
+        from stepdeploy.render.run import check_dataset
+
+        check_dataset(corpus.load(data), load_model(config.model))  # missing, changed or too wide for the model
+    if config.heartbeat_timeout_s <= 0 or config.monitor_interval_s <= 0:
+        raise BadInput("--heartbeat-timeout and --monitor-interval must be longer than 0 s")
+    registry.check_kind(config.executor)
+    if config.inject and "soak" not in config.stages:
+        raise BadInput("--inject acts during the soak; add soak to --stages")
+    if config.mtbf_s is not None and config.checkpoint_interval != AUTO:
+        raise BadInput("--mtbf is what --checkpoint-interval auto computes the interval from",
+                       hint="add --checkpoint-interval auto, or drop --mtbf")
+    return config.checked()
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    """A new rollout's directory: never over a file or another rollout's ledger."""
     if run_dir.exists() and not run_dir.is_dir():
         raise BadInput(f"{run_dir} exists and is not a directory; give another --run-dir")
     if (run_dir / "ledger.sqlite").exists():
         raise BadInput(f"{run_dir} already holds a rollout", hint=f"stepdeploy rollout resume {run_dir}")
     safeio.check_output_dir(run_dir, "rollout")
     run_dir.mkdir(parents=True, exist_ok=True)
-    with controller_lock(run_dir):
-        ledger = Ledger(run_dir / "ledger.sqlite")
-        ledger.create_run(run_id, config.to_json(), list(config.stages))
-        _drive(run_dir, ledger, run_id, config, cluster)
 
 
 @app.command("resume", epilog="Example: stepdeploy rollout resume runs/r1 --min-scaling-efficiency 0.5")

@@ -1,18 +1,62 @@
-"""The executor protocol (FabricExecutor's methods) over scripted nodes (stepdeploy.testing.nodes)."""
+"""The executor protocol (FabricExecutor's methods) over scripted nodes: the executor answers the controller's
+calls and leaves what happens on the nodes to the world it is given (stepdeploy.testing.nodes.FakeNodes, which
+makes these executors and so is the one that knows this module, not the other way round)."""
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from stepdeploy.monitor.diagnose import ATTEMPT_MARKER
-from stepdeploy.remote.executor import CommandResult, NodeResult, RunStatus, StopResult
+from stepdeploy.remote.executor import CommandResult, NodeResult, NodeStatus, RunStatus, StopResult
 
-if TYPE_CHECKING:
-    from stepdeploy.testing.nodes import FakeNodes, RunSpec
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the rendered run asks of the workload (its workload.json): its iterations (it exits 0 after the last)
+    and whether its model has experts (its metrics then carry an expert load, and a router bias with expert-bias
+    balancing). An unknown run trains for ever, densely."""
+
+    run_id: str
+    iterations: int | None = None
+    moe: bool = False
+    expert_bias: bool = False
+
+    @classmethod
+    def of(cls, local: Path, run_id: str) -> RunSpec:
+        path = local / "workload.json"
+        if not path.is_file():
+            return cls(run_id)
+        workload = json.loads(path.read_text())
+        moe = workload["model"].get("moe") or {}
+        return cls(run_id, int(workload["training"]["iterations"]), bool(moe),
+                   moe.get("load_balancing") == "expert_bias")
+
+
+class World(Protocol):
+    """The scripted nodes an executor drives (FakeNodes): what each call finds there and does to them."""
+
+    logs: dict[str, list[str]]  # each node's log lines
+    commands: list[tuple[str, str]]  # (node, command) of every run_command
+
+    def called(self, call: str) -> None: ...
+
+    def unreachable(self, node: str) -> bool: ...
+
+    def take_failure(self, call: str, node: str) -> str | None: ...
+
+    def begin(self, spec: RunSpec | None = None, nodes: list[str] | None = None) -> None: ...
+
+    def advance(self) -> None: ...
+
+    def status(self, node: str) -> NodeStatus: ...
+
+    def halt(self, nodes: list[str]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]: ...
+
+    def write_fetched(self, where: Path, node: str, log: str, first: bool) -> None: ...
+
+    def answer(self, node: str, command: str, first: bool) -> tuple[bool, str]: ...
 
 
 @dataclass(frozen=True)
@@ -26,11 +70,11 @@ class FakeTarget:
 
 
 class FakeExecutor:
-    """The executor protocol (FabricExecutor's methods) over FakeNodes."""
+    """The executor protocol (FabricExecutor's methods) over a World (FakeNodes)."""
 
     poll_interval_s = 2.0  # FabricExecutor's: the scripted timings are on the SSH executors' polls
 
-    def __init__(self, nodes: FakeNodes, targets: list[FakeTarget], spec: RunSpec) -> None:
+    def __init__(self, nodes: World, targets: list[FakeTarget], spec: RunSpec) -> None:
         self.world, self.targets, self.spec = nodes, targets, spec
         self.run_id, self.run_dir = spec.run_id, f"/fake/{spec.run_id}"
 
@@ -93,29 +137,9 @@ class FakeExecutor:
             if why := self._answer("fetch", t.name):
                 results.append(NodeResult(t.name, False, why))
                 continue
-            self._write(dest / t.node_dir, t, first=i == 0)
+            self.world.write_fetched(dest / t.node_dir, t.name, t.log, first=i == 0)
             results.append(NodeResult(t.name, True, str(dest / t.node_dir)))
         return results
-
-    def _write(self, where: Path, target: FakeTarget, first: bool) -> None:
-        """The files the workload writes, laid out as FabricExecutor.fetch brings them back."""
-        world, run = self.world, self.world.current
-        (where / "out" / "status").mkdir(parents=True, exist_ok=True)
-        (where / "out" / "heartbeat").mkdir(parents=True, exist_ok=True)
-        (where / "logs").mkdir(parents=True, exist_ok=True)
-        if first:  # rank 0's files
-            (where / "out" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in world.metrics))
-            (where / "out" / "phases.jsonl").write_text("".join(json.dumps(p) + "\n" for p in world.phases))
-        for r in run.ranks if run else []:
-            if r.node != target.name:
-                continue
-            (where / "out" / "status" / f"rank{r.rank}.json").write_text(json.dumps(
-                {"rank": r.rank, "node": r.node, "pid": r.pid, "state": r.state, "code": r.code, "reason": r.reason}))
-            if run.beat is not None:
-                (where / "out" / "heartbeat" / f"rank{r.rank}").write_text(
-                    json.dumps({"iteration": run.done, "time": run.beat}))
-        (where / target.log).parent.mkdir(parents=True, exist_ok=True)
-        (where / target.log).write_text("".join(line + "\n" for line in world.logs[target.name]))
 
     def run_command(self, command: str, targets: list[Any] | None = None) -> list[CommandResult]:
         self.world.called("run_command")
@@ -125,28 +149,6 @@ class FakeExecutor:
             if why := self._answer("run_command", t.name):
                 results.append(CommandResult(t.name, False, None, stderr=why))
                 continue
-            ok, out = self._run(t, command)
+            ok, out = self.world.answer(t.name, command, first=t.name == self.targets[0].name)
             results.append(CommandResult(t.name, ok, 0 if ok else 1, out))
         return results
-
-    def _run(self, target: FakeTarget, command: str) -> tuple[bool, str]:
-        world = self.world
-        for pattern, ok, stdout in world._responses:
-            if pattern.search(command):
-                return ok, stdout
-        if command.startswith("tail -n 1 out/metrics.jsonl"):
-            world.advance()
-            first = target.name == self.targets[0].name
-            return True, json.dumps(world.metrics[-1]) + "\n" if first and world.metrics else ""
-        if ATTEMPT_MARKER in command:
-            marker = re.search(re.escape(ATTEMPT_MARKER) + r"[^']*", command)
-            if world.logs[target.name] and marker:
-                world.logs[target.name].append(marker.group(0))
-            return True, ""
-        signal = re.fullmatch(r"kill -0 (\d+) && kill -(9|STOP) \1", command)
-        if signal:
-            return world.signal(int(signal.group(1)), signal.group(2)), ""
-        if "STEPDEPLOY_RUN_ID=" in command and "kill -9" in command:  # a node-loss injection's kill
-            world.halt([target.name])
-            return True, ""
-        return True, ""

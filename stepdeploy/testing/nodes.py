@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepdeploy.monitor.diagnose import ATTEMPT_MARKER
 from stepdeploy.remote.executor import EXITED, RUNNING, UNREACHABLE, NodeStatus, RankStatus
 from stepdeploy.render.manifest import Manifest
 from stepdeploy.rollout.clock import Clock
-from stepdeploy.testing.executor import FakeExecutor, FakeTarget
+from stepdeploy.testing.executor import FakeExecutor, FakeTarget, RunSpec
 
 
 class FakeClock:
@@ -44,28 +45,6 @@ class Fault:
     for_s: float = 0.0  # unreachable: how long
     code: int = 1  # exit: the rank's exit code
     line: str = ""  # exit: what the rank writes to its node's log (and its status reason)
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What the rendered run asks of the workload (its workload.json): its iterations (it exits 0 after the last)
-    and whether its model has experts (its metrics then carry an expert load, and a router bias with expert-bias
-    balancing). An unknown run trains for ever, densely."""
-
-    run_id: str
-    iterations: int | None = None
-    moe: bool = False
-    expert_bias: bool = False
-
-    @classmethod
-    def of(cls, local: Path, run_id: str) -> RunSpec:
-        path = local / "workload.json"
-        if not path.is_file():
-            return cls(run_id)
-        workload = json.loads(path.read_text())
-        moe = workload["model"].get("moe") or {}
-        return cls(run_id, int(workload["training"]["iterations"]), bool(moe),
-                   moe.get("load_balancing") == "expert_bias")
 
 
 @dataclass
@@ -282,6 +261,49 @@ class FakeNodes:
             run.active = any(r.state == RUNNING for r in run.ranks)
         left = {n: self._left.pop(n, ()) for n in nodes}
         return killed, left
+
+    def write_fetched(self, where: Path, node: str, log: str, first: bool) -> None:
+        """The files the workload writes on `node` (rank 0's too when `first`), laid out as FabricExecutor.fetch
+        brings them back, its log at `log`."""
+        run = self.current
+        (where / "out" / "status").mkdir(parents=True, exist_ok=True)
+        (where / "out" / "heartbeat").mkdir(parents=True, exist_ok=True)
+        (where / "logs").mkdir(parents=True, exist_ok=True)
+        if first:  # rank 0's files
+            (where / "out" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in self.metrics))
+            (where / "out" / "phases.jsonl").write_text("".join(json.dumps(p) + "\n" for p in self.phases))
+        for r in run.ranks if run else []:
+            if r.node != node:
+                continue
+            (where / "out" / "status" / f"rank{r.rank}.json").write_text(json.dumps(
+                {"rank": r.rank, "node": r.node, "pid": r.pid, "state": r.state, "code": r.code, "reason": r.reason}))
+            if run.beat is not None:
+                (where / "out" / "heartbeat" / f"rank{r.rank}").write_text(
+                    json.dumps({"iteration": run.done, "time": run.beat}))
+        (where / log).parent.mkdir(parents=True, exist_ok=True)
+        (where / log).write_text("".join(line + "\n" for line in self.logs[node]))
+
+    def answer(self, node: str, command: str, first: bool) -> tuple[bool, str]:
+        """(ok, stdout) of `command` on `node` (`first`: the run's first node, rank 0's): a `respond`ed pattern,
+        else the controller's own commands understood (the latest metrics line, the attempt marker, a signal to a
+        rank, an injected kill); anything else succeeds silently."""
+        for pattern, ok, stdout in self._responses:
+            if pattern.search(command):
+                return ok, stdout
+        if command.startswith("tail -n 1 out/metrics.jsonl"):
+            self.advance()
+            return True, json.dumps(self.metrics[-1]) + "\n" if first and self.metrics else ""
+        if ATTEMPT_MARKER in command:
+            marker = re.search(re.escape(ATTEMPT_MARKER) + r"[^']*", command)
+            if self.logs[node] and marker:
+                self.logs[node].append(marker.group(0))
+            return True, ""
+        signal = re.fullmatch(r"kill -0 (\d+) && kill -(9|STOP) \1", command)
+        if signal:
+            return self.signal(int(signal.group(1)), signal.group(2)), ""
+        if "STEPDEPLOY_RUN_ID=" in command and "kill -9" in command:  # a node-loss injection's kill
+            self.halt([node])
+        return True, ""
 
     def status(self, node: str) -> NodeStatus:
         run, now = self.current, self.clock.time()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,54 @@ from schedule import lr_at
 
 WEIGHT_DECAY = model_chunks.WEIGHT_DECAY
 
+@dataclass
+class Run:
+    """What a rank trains with, built once by `build`: the megatron config, the model chunks (their DDP model, as
+    one), the optimizer, the data and the router statistics (MoE)."""
+
+    cfg: dict[str, Any]
+    rank: int
+    world: int
+    micro_batches: int
+    config: Any  # megatron's TransformerConfig
+    chunks: list[Any]
+    model: Any
+    optimizer: Any
+    stats: moe_stats.RouterStats | None
+    mtp_layers: int
+    batches: Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]  # one iteration's micro-batches
+    forward_step: Any
+    trace: traces.MemoryTrace
+    resume_from: Any  # what skip_initialization found to resume from
+
+
 def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    t = cfg["training"]
+    run = build(cfg, out_dir, files)
+    ckpt_dir, load_parts = out_dir / "checkpoints", {}
+    # the save's one-off set-up starts now, in the background, when this run saves at all: the writer processes it
+    # spawns start while the checkpoint is read (the GPU idle), not beside the first step
+    saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), run.rank,
+                                prepare=bool(t["save_interval"]))
+    loading = time.time()
+    start = megatron_ckpt.resume(run.model, run.optimizer, ckpt_dir, run.rank, load_parts, run.resume_from)
+    files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
+    for group in run.optimizer.param_groups:
+        # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
+        group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
+    torch.cuda.reset_peak_memory_stats()
+    loop(run, files, saver, start, out_dir)
+    saver.finish(t["iterations"])
+    run.trace.mark("end")
+    ps.destroy_model_parallel()
+    return 0
+
+
+def build(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> Run:
+    """Megatron's parallel state, the model and its optimizer, the data: everything before the checkpoint's read."""
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -89,85 +136,94 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
                                   m["moe"]["topk"], "cuda", micro_batches) if m["moe"] else None
     if stats is not None:
         stats.watch_megatron(model)
-    mtp_layers = m.get("mtp_num_layers") or 0
     source = data.source_for(cfg, ps.get_data_parallel_rank(), micro_batches, "cuda", megatron=True)
     positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(mbs, -1)
 
-    def batches(iteration: int) -> Any:
+    def batches(iteration: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for micro in range(micro_batches):
             tokens = source.micro_batch(iteration, micro)
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    forward_step = model_chunks.lm_forward_step(positions)
+    return Run(cfg, rank, world, micro_batches, config, chunks, model, optimizer, stats, m.get("mtp_num_layers") or 0,
+               batches, model_chunks.lm_forward_step(positions), trace, resume_from)
+
+
+def loop(run: Run, files: RankFiles, saver: megatron_ckpt.Saver, start: int, out_dir: Path) -> None:
+    """The iterations after `start`, each timed from the end of the one before (so the report and the loop's own
+    overhead count) to the end of its optimizer step on the compute stream (an overlapped param gather may still
+    be running); saves at the save interval."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    t = run.cfg["training"]
     forward_backward = get_forward_backward_func()
-    ckpt_dir, load_parts = out_dir / "checkpoints", {}
-    # the save's one-off set-up starts now, in the background, when this run saves at all: the writer processes it
-    # spawns start while the checkpoint is read (the GPU idle), not beside the first step
-    saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), rank, prepare=bool(t["save_interval"]))
-    loading = time.time()
-    start = megatron_ckpt.resume(model, optimizer, ckpt_dir, rank, load_parts, resume_from)
-    files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
-    for group in optimizer.param_groups:
-        # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
-        group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
-    torch.cuda.reset_peak_memory_stats()
-    profile = traces.StepProfile(out_dir, rank, os.environ.get("STEPDEPLOY_PROFILE"), first_step=start + 1)
+    profile = traces.StepProfile(out_dir, run.rank, os.environ.get("STEPDEPLOY_PROFILE"), first_step=start + 1)
     backward_done, step_done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    gather = ParamGather(model)
+    gather = ParamGather(run.model)
     torch.cuda.synchronize()
     began = time.perf_counter()
     for iteration in range(start + 1, t["iterations"] + 1):
-        # a step is timed from the end of the one before (so the report and the loop's own overhead count), to
-        # the end of its optimizer step on the compute stream (an overlapped param gather may still be running)
         profile.before(iteration)
         lr = lr_at(iteration, t)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        feeds = [batches(iteration) for _ in chunks]  # one stream per chunk: each sees every micro-batch once
-        losses = forward_backward(forward_step_func=forward_step, data_iterator=feeds if len(chunks) > 1 else feeds[0],
-                                  model=chunks,
-                                  num_microbatches=micro_batches, seq_length=seq, micro_batch_size=mbs,
-                                  decoder_seq_length=seq, forward_only=False)
-        if iteration <= start + 2:
-            trace.mark(f"forward_backward_{iteration - start}")
-        # the phase split is read from CUDA events after the step: a synchronize here would idle the GPU while
-        # the host starts the optimizer step (a fixed cost per step, which DP does not shrink)
-        backward_done.record()
-        _ok, grad_norm, _zeros = optimizer.step()
-        gather.dispatch()
-        if iteration <= start + 2:
-            trace.mark(f"optimizer_step_{iteration - start}")
+        losses, grad_norm = step_once(run, iteration, lr, forward_backward, backward_done, gather, start)
         step_done.record()
         step_done.synchronize()
         ended = time.perf_counter()
         step = ended - began
-        optimizer_s = backward_done.elapsed_time(step_done) / 1e3
-        phases: dict[str, Any] = {"forward_backward_s": round(step - optimizer_s, 4),
-                                  "optimizer_s": round(optimizer_s, 4)}
         profiled = profile.after(iteration, step)
-        if profiled:
-            phases["profiled"] = True  # the profiler's overhead is in this step: means leave it out
-        loss = (sum(x["lm loss"] for x in losses) / len(losses)).float() if losses else torch.zeros((), device="cuda")
-        if stats is not None:
-            phases |= stats.reduce()
-        mtp = moe_stats.mtp_losses(mtp_layers, micro_batches, "cuda") if mtp_layers else None
-        report(cfg, files, iteration, loss, grad_norm, lr, step, world, ps.is_pipeline_last_stage(), phases, mtp)
+        record(run, files, iteration, losses, grad_norm, lr, step, backward_done.elapsed_time(step_done) / 1e3,
+               profiled)
         if iteration == start + 1:
             files.phase("first_step", iteration=iteration, step_s=round(step, 4))
-            saver.prepare_host_memory(model, optimizer)  # the optimizer's state exists now
+            saver.prepare_host_memory(run.model, run.optimizer)  # the optimizer's state exists now
             ended = time.perf_counter()  # the next step's time does not include it
         began = time.perf_counter() if profiled else ended  # not the profiler's write-out either
         if saver.poll():  # a save in flight ended everywhere and was committed
             began = time.perf_counter()  # its finalize is the checkpoint's time (save_committed), not a step's
         if t["save_interval"] and iteration % t["save_interval"] == 0:
-            saver.save(model, optimizer, iteration)
+            saver.save(run.model, run.optimizer, iteration)
             began = time.perf_counter()  # a save is not the next step's time
-    saver.finish(t["iterations"])
-    trace.mark("end")
-    ps.destroy_model_parallel()
-    return 0
+
+
+def step_once(run: Run, iteration: int, lr: float, forward_backward: Any, backward_done: Any, gather: ParamGather,
+              start: int) -> tuple[list[Any], Any]:
+    """One iteration's forward, backward and optimizer step (the param gather dispatched after it): (the
+    micro-batches' losses, the gradient norm)."""
+    t = run.cfg["training"]
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.model.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    feeds = [run.batches(iteration) for _ in run.chunks]  # one stream per chunk: each sees every micro-batch once
+    losses = forward_backward(forward_step_func=run.forward_step,
+                              data_iterator=feeds if len(run.chunks) > 1 else feeds[0], model=run.chunks,
+                              num_microbatches=run.micro_batches, seq_length=t["seq_length"],
+                              micro_batch_size=t["micro_batch_size"], decoder_seq_length=t["seq_length"],
+                              forward_only=False)
+    if iteration <= start + 2:
+        run.trace.mark(f"forward_backward_{iteration - start}")
+    # the phase split is read from CUDA events after the step: a synchronize here would idle the GPU while
+    # the host starts the optimizer step (a fixed cost per step, which DP does not shrink)
+    backward_done.record()
+    _ok, grad_norm, _zeros = run.optimizer.step()
+    gather.dispatch()
+    if iteration <= start + 2:
+        run.trace.mark(f"optimizer_step_{iteration - start}")
+    return losses, grad_norm
+
+
+def record(run: Run, files: RankFiles, iteration: int, losses: list[Any], grad_norm: Any, lr: float, step: float,
+           optimizer_s: float, profiled: bool) -> None:
+    """The step's metrics line (rank 0) and heartbeat: its loss averaged over micro-batches, its phase split."""
+    from megatron.core import parallel_state as ps
+
+    phases: dict[str, Any] = {"forward_backward_s": round(step - optimizer_s, 4), "optimizer_s": round(optimizer_s, 4)}
+    if profiled:
+        phases["profiled"] = True  # the profiler's overhead is in this step: means leave it out
+    loss = (sum(x["lm loss"] for x in losses) / len(losses)).float() if losses else torch.zeros((), device="cuda")
+    if run.stats is not None:
+        phases |= run.stats.reduce()
+    mtp = moe_stats.mtp_losses(run.mtp_layers, run.micro_batches, "cuda") if run.mtp_layers else None
+    report(run.cfg, files, iteration, loss, grad_norm, lr, step, run.world, ps.is_pipeline_last_stage(), phases, mtp)
 
 
 class ParamGather:

@@ -221,7 +221,7 @@ def _megatron() -> Any:
         get_expert_parallel_rng_tracker_name
 
 
-def _build_class() -> type:
+def _build_class() -> type:  # long: the class body, built late (its base is megatron's); each method is short
     MegatronModule, set_tp_attributes, get_cuda_rng_tracker, expert_rng_name = _megatron()
 
     class GroupedMMExperts(MegatronModule):

@@ -21,6 +21,7 @@ from stepdeploy.remote.fabric_executor import FabricExecutor
 from stepdeploy.remote.local_executor import LocalExecutor
 from stepdeploy.remote.slurm_executor import SlurmExecutor
 from stepdeploy.remote.transport import LocalChannel, SshChannel
+from tests.unit._source import module_name, python_modules
 
 LOCAL = SshSettings(connection="local")
 REMOTE_DIR = Path(stepdeploy.remote.__file__).parent
@@ -126,10 +127,10 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_module_under_remote_knows_the_ledger_and_executors_do_not_import_each_other() -> None:
-    for path in sorted(REMOTE_DIR.glob("*.py")):
+    executors = python_modules(REMOTE_DIR, "*_executor.py")
+    for path in python_modules(REMOTE_DIR):
         imports = _imports(path)
         assert not any(i == "stepdeploy.ledger" or i.startswith("stepdeploy.ledger.") for i in imports), path.name
         if path.name.endswith("_executor.py"):
-            others = {f"stepdeploy.remote.{p.stem}" for p in REMOTE_DIR.glob("*_executor.py")} - {
-                f"stepdeploy.remote.{path.stem}", "stepdeploy.remote.node_executor"}
+            others = {module_name(p) for p in executors} - {module_name(path), "stepdeploy.remote.node_executor"}
             assert not imports & others, f"{path.name} imports {imports & others}"

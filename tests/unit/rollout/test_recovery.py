@@ -13,8 +13,7 @@ from stepdeploy.remote.executor import NodeResult
 from stepdeploy.rollout import recovery
 from stepdeploy.sim import faults as sim_faults
 from stepdeploy.testing import FakeClock, FakeNodes
-
-PACKAGE = Path(__file__).resolve().parents[3] / "stepdeploy"
+from tests.unit._source import PACKAGE, python_modules
 
 
 def test_the_marker_command_appends_to_the_logs_there_are_and_quotes_its_line(tmp_path: Path) -> None:
@@ -64,7 +63,7 @@ def test_a_failed_launch_names_a_full_disk_and_anything_else_plainly() -> None:
 
 
 def test_the_rollout_imports_nothing_of_the_simulated_cluster() -> None:
-    for path in sorted((PACKAGE / "rollout").rglob("*.py")):
+    for path in python_modules(PACKAGE / "rollout"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

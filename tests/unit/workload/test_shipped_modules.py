@@ -9,6 +9,7 @@ from pathlib import Path
 
 import stepdeploy.workload
 from stepdeploy.render.run import WORKLOAD_MODULES
+from tests.unit._source import python_modules
 
 WORKLOAD = Path(stepdeploy.workload.__file__).parent
 
@@ -24,7 +25,10 @@ def imported_names(path: Path) -> set[str]:
 
 
 def test_every_sibling_a_shipped_module_imports_is_shipped() -> None:
-    siblings = {p.stem for p in WORKLOAD.glob("*.py") if p.stem != "__init__"}
+    modules = python_modules(WORKLOAD)
+    nested = [str(p.relative_to(WORKLOAD)) for p in modules if p.parent != WORKLOAD]
+    assert not nested, f"the workload ships as loose files in one directory; nothing can import {nested} there"
+    siblings = {p.stem for p in modules if p.stem != "__init__"}
     shipped = {name.removesuffix(".py") for name in WORKLOAD_MODULES}
     missing = {(module, imported) for module in shipped for imported in imported_names(WORKLOAD / f"{module}.py")
                if imported in siblings and imported not in shipped}
