@@ -4,12 +4,12 @@ makes these executors and so is the one that knows this module, not the other wa
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from stepdeploy.remote.executor import CommandResult, NodeResult, NodeStatus, RunStatus, StopResult
+from stepdeploy.render.workload_file import WORKLOAD_FILE, Workload
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,12 @@ class RunSpec:
 
     @classmethod
     def of(cls, local: Path, run_id: str) -> RunSpec:
-        path = local / "workload.json"
-        if not path.is_file():
+        """What the rendered run at `local` trains (its workload.json, read typed), or only its id when none."""
+        if not (local / WORKLOAD_FILE).is_file():
             return cls(run_id)
-        workload = json.loads(path.read_text())
-        moe = workload["model"].get("moe") or {}
-        return cls(run_id, int(workload["training"]["iterations"]), bool(moe),
-                   moe.get("load_balancing") == "expert_bias")
+        workload = Workload.load(local)
+        return cls(run_id, workload.training.iterations, bool(workload.moe),
+                   workload.moe.get("load_balancing") == "expert_bias")
 
 
 class World(Protocol):
