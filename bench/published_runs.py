@@ -36,7 +36,7 @@ from stepdeploy.plan.constraints import violations
 from stepdeploy.plan.layout import Job, Layout
 from stepdeploy.plan.memory import estimate_memory
 from stepdeploy.plan.params import count_parameters
-from stepdeploy.plan.search import Verdict, judge, search, settle_param_gather
+from stepdeploy.plan.search import LayoutVerdict, judge, search, settle_param_gather
 
 DGXC = "https://github.com/NVIDIA/dgxc-benchmarking/blob/main/"
 SOURCES = {
@@ -158,19 +158,19 @@ def te_class_host() -> Iterator[None]:
         yield
 
 
-def te_class_verdict(spec: ModelSpec, run: Run, cluster: ClusterShape, hardware: Hardware) -> Verdict:
+def te_class_verdict(spec: ModelSpec, run: Run, cluster: ClusterShape, hardware: Hardware) -> LayoutVerdict:
     """The published layout as NeMo runs it: megatron-core's rules, no engine refusals (TE has SP and CP)."""
     params, job = count_parameters(spec), Job(spec, run.seq, run.gbs, cluster.world)
     layout = settle_param_gather(run.layout())
     broken = tuple(violations(job, layout))
     if broken:
-        return Verdict(layout, broken)
+        return LayoutVerdict(layout, broken)
     with te_class_host():
         time = steptime.predict_step_time(params, job, layout, cluster, te_class_hardware(hardware))
-    return Verdict(layout, (), estimate_memory(params, job, layout, cluster), time)
+    return LayoutVerdict(layout, (), estimate_memory(params, job, layout, cluster), time)
 
 
-def missing_features(run: Run, best: Verdict | None) -> str:
+def missing_features(run: Run, best: LayoutVerdict | None) -> str:
     """Why this engine is slower: what the published layout uses that the engine lacks, and what it costs. (Not
     sequence parallelism: the engine runs megatron-core's, and the planner turns it on as NeMo does.)"""
     why = ["local-spec kernels (no TE fusions)"]
@@ -214,7 +214,7 @@ def evaluate(run: Run, hardware: Hardware) -> dict[str, Any]:
     }
 
 
-def _layout_text(verdict: Verdict) -> str:
+def _layout_text(verdict: LayoutVerdict) -> str:
     lay = verdict.layout
     sp = " sp" if lay.sp else ""
     return f"{lay.short()}{sp} mbs={lay.mbs} {lay.recompute}" + (" offload" if lay.optimizer_cpu_offload else "")

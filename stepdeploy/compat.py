@@ -32,7 +32,7 @@ SIMULATION_PREFIX = "sim-"  # profiles for simulated nodes: never suggested for 
 
 
 @dataclass(frozen=True)
-class Gpu:
+class GpuModel:
     name: str
     compute_cap: str | None = None  # "9.0" as nvidia-smi prints it
 
@@ -43,7 +43,7 @@ class HostFacts:
 
     host: str
     arch: str | None = None
-    gpus: tuple[Gpu, ...] = ()
+    gpus: tuple[GpuModel, ...] = ()
     gpu_source: str = "discovered"  # or "declared in the inventory"
 
 
@@ -60,7 +60,7 @@ class Conflict:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class CompatVerdict:
     profile: str
     conflicts: tuple[Conflict, ...] = ()
     working_profiles: tuple[str, ...] = field(default_factory=tuple)
@@ -97,7 +97,7 @@ def matrix() -> dict:
     return yaml.safe_load(text)
 
 
-def gpu_arch(gpu: Gpu) -> tuple[str, str] | None:
+def gpu_arch(gpu: GpuModel) -> tuple[str, str] | None:
     """(sm, family) of a GPU from its compute capability, else from its name; None if unknown."""
     m = matrix()
     if gpu.compute_cap:
@@ -237,7 +237,7 @@ def model_conflicts(profile: StackProfile, *, sliding_window: bool, per_layer: b
 
 
 def verdict(profile: StackProfile, hosts: Iterable[HostFacts],
-            profiles: Mapping[str, StackProfile] | None = None) -> Verdict:
+            profiles: Mapping[str, StackProfile] | None = None) -> CompatVerdict:
     """Check every host; on conflict, list the shipped profiles that pass on all of them."""
     hosts = list(hosts)
     conflicts = [c for h in hosts for c in check(profile, h)]
@@ -248,7 +248,7 @@ def verdict(profile: StackProfile, hosts: Iterable[HostFacts],
         working = [name for name, p in catalog.items()
                    if not any(check(p, h) for h in hosts) and (p.cuda or not needs_gpu_stack)
                    and not (needs_gpu_stack and name.startswith(SIMULATION_PREFIX))]
-    return Verdict(profile=profile.name, conflicts=tuple(conflicts), working_profiles=tuple(working))
+    return CompatVerdict(profile=profile.name, conflicts=tuple(conflicts), working_profiles=tuple(working))
 
 
 def facts_from_nvidia_smi(host: str, arch: str | None, csv_text: str) -> HostFacts:
@@ -257,7 +257,7 @@ def facts_from_nvidia_smi(host: str, arch: str | None, csv_text: str) -> HostFac
     for line in csv_text.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
         if parts and parts[0]:
-            gpus.append(Gpu(name=parts[0], compute_cap=parts[1] if len(parts) > 1 else None))
+            gpus.append(GpuModel(name=parts[0], compute_cap=parts[1] if len(parts) > 1 else None))
     return HostFacts(host=host, arch=arch, gpus=tuple(gpus))
 
 
@@ -296,7 +296,7 @@ def cluster_facts(cluster: Cluster, gpu: str | None = None) -> list[HostFacts]:
     facts = []
     for node in cluster.nodes:
         name = gpu or node.gpu_model or "unknown GPU"
-        gpus = (Gpu(name=name),) if (node.gpus_per_node or gpu) else ()
+        gpus = (GpuModel(name=name),) if (node.gpus_per_node or gpu) else ()
         facts.append(HostFacts(node.name, node.arch, gpus, gpu_source="declared in the inventory"))
     return facts
 
@@ -310,7 +310,7 @@ def _merged(conflicts: Iterable[Conflict]) -> list[Conflict]:
 
 
 def stack_verdict(cluster: Cluster, spec: ModelSpec, layout: Layout | None = None, *, engine: str | None = None,
-                  gpu: str | None = None, profiles: Mapping[str, StackProfile] | None = None) -> Verdict:
+                  gpu: str | None = None, profiles: Mapping[str, StackProfile] | None = None) -> CompatVerdict:
     """Can the inventory's stack profile run `spec` (and `layout`) on the hardware the inventory declares, with
     `engine` (default: megatron on GPU nodes, torch on CPU nodes, as render chooses)? Offline: hardware rules,
     CPU architecture and the engine's needs. On conflict, the shipped profiles that pass all of them on these
@@ -324,7 +324,7 @@ def stack_verdict(cluster: Cluster, spec: ModelSpec, layout: Layout | None = Non
     subject = (f"{spec.name} with the {engine} engine on {len(hosts)} node(s) of "
                f"{', '.join(sorted(gpus)) or 'CPUs'}{' (' + ', '.join(sorted(arches)) + ')' if arches else ''}")
     if cluster.profile is None:
-        return Verdict(profile="(none)", subject=subject)
+        return CompatVerdict(profile="(none)", subject=subject)
 
     def conflicts_of(p: StackProfile) -> list[Conflict]:
         return _merged([c for h in hosts for c in check(p, h)] + engine_conflicts(p, engine, spec, layout))
@@ -338,11 +338,11 @@ def stack_verdict(cluster: Cluster, spec: ModelSpec, layout: Layout | None = Non
                    and not conflicts_of(p)]
         families = {a[1] for h in hosts for g in h.gpus if (a := gpu_arch(g))}
         working.sort(key=lambda name: not families & set(catalog[name].gpu_families))
-    return Verdict(cluster.profile.name, tuple(conflicts), tuple(working), subject)
+    return CompatVerdict(cluster.profile.name, tuple(conflicts), tuple(working), subject)
 
 
 def require_stack(cluster: Cluster, spec: ModelSpec, layout: Layout | None = None, *, engine: str | None = None,
-                  gpu: str | None = None) -> Verdict:
+                  gpu: str | None = None) -> CompatVerdict:
     """stack_verdict, raising BadInput (exit 2) with every rule broken, its source and the profiles that work."""
     found = stack_verdict(cluster, spec, layout, engine=engine, gpu=gpu)
     if not found.ok:

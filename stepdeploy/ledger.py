@@ -53,7 +53,7 @@ class LedgerLocked(StepdeployError):
 
 def _dumps(value: Any) -> str:
     """JSON for a ledger column: standard JSON only (a NaN or infinity becomes null, never the bare word)."""
-    return json.dumps(safeio.finite(value))
+    return json.dumps(safeio.json_safe(value))
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class Ledger:
     def _loads(self, text: str) -> Any:
         """A JSON column (valid JSON of bounded length since check_ledger; nesting bounded here). A number too
         large for a float (1e999, which the ledger never writes) reads as null, as a NaN is written."""
-        return safeio.finite(safeio.loads_json(text, f"{self.path}: a JSON column"))
+        return safeio.json_safe(safeio.loads_json(text, f"{self.path}: a JSON column"))
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:

@@ -94,15 +94,15 @@ def loads_json(text: str | bytes, source: str, *, what: str = "document", hint: 
     return data
 
 
-def finite(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """`value` with every NaN or infinity replaced by None: what standard JSON can hold (json.dumps would
     write the bare words NaN and Infinity, which JSON readers other than Python's refuse)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from ansible.errors import AnsibleFilterError
 
-from stepdeploy.compat import Gpu, HostFacts, gpu_arch, verdict
+from stepdeploy.compat import GpuModel, HostFacts, gpu_arch, verdict
 from stepdeploy.errors import StepdeployError
 from stepdeploy.stack import COMPONENTS, get_profile
 
@@ -32,7 +32,7 @@ def stepdeploy_hw(smi_csv: str, facts: dict[str, Any], lspci: str = "", declared
     if not gpus and declared_model and (declared_count or 0) > 0 and not facts.get("__lspci_ran"):
         gpus = [{"name": declared_model, "compute_cap": None, "memory_mib": None}] * int(declared_count or 0)
         source = "declared in the inventory"
-    arch = gpu_arch(Gpu(gpus[0]["name"], gpus[0]["compute_cap"])) if gpus else None
+    arch = gpu_arch(GpuModel(gpus[0]["name"], gpus[0]["compute_cap"])) if gpus else None
     return {
         "arch": facts.get("architecture"), "os_id": str(facts.get("distribution", "")).lower(),
         "os_version": facts.get("distribution_version"), "has_nvidia_gpu": bool(gpus), "gpus": gpus,
@@ -58,7 +58,7 @@ def stepdeploy_compat(profile_name: str, hosts: list[dict[str, Any]]) -> dict[st
     except StepdeployError as exc:
         raise AnsibleFilterError(exc.message) from None
     facts = [HostFacts(host=h.get("host", "?"), arch=h.get("arch"), gpu_source=h.get("gpu_source", ""),
-                       gpus=tuple(Gpu(g["name"], g.get("compute_cap")) for g in h.get("gpus", [])))
+                       gpus=tuple(GpuModel(g["name"], g.get("compute_cap")) for g in h.get("gpus", [])))
              for h in hosts]
     v = verdict(profile, facts)
     return {"ok": v.ok, "message": v.message(), "working_profiles": list(v.working_profiles),

@@ -97,10 +97,10 @@ def demo(
 
 def proved(run_dir: Path, nodes: int, took_s: float) -> list[str]:
     """The demo's closing summary, from the rollout's ledger: stages, gates, goodput, the report, the next command."""
-    from stepdeploy.cli.report import load
+    from stepdeploy.cli.report import load_run_data
     from stepdeploy.report.summary import summarise
 
-    summary = summarise(load(run_dir))
+    summary = summarise(load_run_data(run_dir))
     stages = ", ".join(f"{s.name} {s.status}" for s in summary.stages)
     passed = [g for g in summary.gates if g.passed]
     soak_gates = sorted({g.gate for g in summary.gates if g.stage == "soak"})

@@ -18,7 +18,7 @@ from rich.console import Console, ConsoleOptions, RenderableType
 from rich.segment import Segment
 from rich.text import Text
 
-from stepdeploy.safeio import finite
+from stepdeploy.safeio import json_safe
 
 # C0 and C1 controls (not tab or newline), DEL, and the bidirectional overrides that can disguise text
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
@@ -58,7 +58,7 @@ err = SafeConsole(stderr=True, highlight=False)
 def emit_json(data: Any) -> None:
     """Write one JSON document to stdout, bypassing rich so nothing is wrapped or styled. Standard JSON only:
     a NaN or infinity (a diverged loss) is written as null."""
-    sys.stdout.write(json.dumps(finite(data), indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.write(json.dumps(json_safe(data), indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
 
 

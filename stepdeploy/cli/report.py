@@ -28,7 +28,7 @@ def report(
     """Summarise a rollout run: stages, gate verdicts, key figures; optionally an HTML report with plots."""
     if html is not None:
         safeio.check_output_file(html, "HTML report")  # before the work: a directory, a FIFO, no permission
-    data = load(run)
+    data = load_run_data(run)
     from stepdeploy.report import renderables, write_report  # matplotlib: loaded only to make a report
 
     for note in event_data_notes(data.events):  # figures a hand-edited ledger holds wrong: left out, said so
@@ -44,7 +44,7 @@ def report(
         info(f"wrote {html} and {len(written) - 1} plot(s) next to it")
 
 
-def load(run_dir: Path) -> RunData:
+def load_run_data(run_dir: Path) -> RunData:
     """The run's ledger rows; BadInput (exit 2) when there is no run to report on."""
     hint = "stepdeploy rollout list  (shows the runs and their directories)"
     if not run_dir.is_dir():

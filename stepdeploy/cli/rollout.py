@@ -13,7 +13,13 @@ from rich.table import Table
 from stepdeploy import corpus, safeio
 from stepdeploy.cli.common import connecting_cluster, finite_option, insecure_option
 from stepdeploy.cli.output import emit_json, err, info, out, warn
-from stepdeploy.cli.rollout_checks import check_run_name, default_run_name, model_argument, prepare, print_plan
+from stepdeploy.cli.rollout_checks import (
+    check_before_rollout,
+    check_run_name,
+    default_run_name,
+    model_argument,
+    print_plan,
+)
 from stepdeploy.errors import EXIT_FAILED, BadInput, StepdeployError
 from stepdeploy.inventory.model import Cluster
 from stepdeploy.ledger import Ledger, LedgerLocked, controller_lock
@@ -104,7 +110,7 @@ def run_cmd(  # long: a flat table of 26 Typer options (44 lines); the body is 2
     check_run_name(run_id)
     run_dir = run_dir or Path("runs") / run_id
     # Everything the rollout will need is checked before its directory and ledger exist (nothing half-made).
-    cluster = prepare(config, insecure)
+    cluster = check_before_rollout(config, insecure)
     if dry_run:
         print_plan(config, cluster)
         return
@@ -122,7 +128,8 @@ def _checked(config: RolloutConfig, data: Path | None) -> RolloutConfig:
         from stepdeploy.catalog import load_model
         from stepdeploy.render.run import check_dataset
 
-        check_dataset(corpus.load(data), load_model(config.model))  # missing, changed or too wide for the model
+        # missing, changed or too wide for the model
+        check_dataset(corpus.load_prepared(data), load_model(config.model))
     if config.heartbeat_timeout_s <= 0 or config.monitor_interval_s <= 0:
         raise BadInput("--heartbeat-timeout and --monitor-interval must be longer than 0 s")
     registry.check_kind(config.executor)
@@ -155,7 +162,7 @@ def resume_cmd(
     ledger, run_id = _open(run_dir)
     check_run_name(run_id)
     config = _config(ledger, run_id)
-    cluster = prepare(config, insecure)
+    cluster = check_before_rollout(config, insecure)
     with controller_lock(run_dir):
         (run_dir / "STOP").unlink(missing_ok=True)
         changes = {k: v for k, v in {"min_scaling_efficiency": min_scaling_efficiency,

@@ -47,7 +47,7 @@ def check_run_name(run_id: str) -> None:
                        "digits, '.', '_' or '-', starting with a letter or digit: it names every attempt's run")
 
 
-def prepare(config: RolloutConfig, insecure: bool) -> Cluster:
+def check_before_rollout(config: RolloutConfig, insecure: bool) -> Cluster:
     """The checks a rollout passes before it starts (or is resumed, or dry-run): the inventory (and its SSH
     host-key checking), the model, and the layout if one is given."""
     from stepdeploy import compat

@@ -111,7 +111,7 @@ def ssh_cmd(
 ) -> None:
     """Open a shell (or run a command) on a node over SSH, with strict host-key checking."""
     cfg = _config(name)
-    sim = statefile.load(cfg.dir)
+    sim = statefile.load_state(cfg.dir)
     if sim is None:
         raise BadInput(f"no simulated cluster {name!r} is up", hint="stepdeploy sim up")
     target = sim.node(node)
@@ -131,7 +131,7 @@ def publish_cmd(
 ) -> None:
     """Add packages to the repository the nodes install from (apt: .deb; pip: .whl)."""
     cfg = _config(name)
-    if statefile.load(cfg.dir) is None:
+    if statefile.load_state(cfg.dir) is None:
         raise BadInput(f"no simulated cluster {name!r} is up", hint="stepdeploy sim up")
     for path in repo.publish(cfg.dir, files):
         out.print(path)

@@ -64,7 +64,7 @@ def read_checked(path: Path, what: str, sha256: str | None, limit: int) -> bytes
     return data
 
 
-def load(prefix: Path) -> Corpus:
+def load_prepared(prefix: Path) -> Corpus:
     """A prepared dataset, checked: PREFIX.json describes it, and its .bin and .idx hash to what it says."""
     meta = Path(f"{prefix}.json")
     hint = f"stepdeploy data prepare FILES --out {prefix}"

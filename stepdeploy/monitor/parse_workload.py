@@ -96,5 +96,5 @@ def parse_metrics(text: str, tally: Tally | None = None) -> tuple[MetricsRow, ..
     return tuple(rows)
 
 
-def finite(value: float | None) -> bool:
+def is_finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from statistics import mean, median
 
 from stepdeploy.monitor.model import Finding, MetricsRow, MonitorLimits, NodeSample, Severity
-from stepdeploy.monitor.parse_workload import finite
+from stepdeploy.monitor.parse_workload import is_finite
 
 HANG_FIX = ("py-spy dump --pid <pid> on the stuck rank (or its peers, if it waits in a collective); the run "
             "is stopped and restarted from the last checkpoint")
@@ -61,10 +61,10 @@ def _losses(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Fi
     for position, row in new_rows(prev, cur):
         if row.loss is None:
             continue
-        if not finite(row.loss):
+        if not is_finite(row.loss):
             bad.append(row)
             continue
-        history = [r.loss for r in cur.metrics[:position] if finite(r.loss)][-limits.loss_window:]
+        history = [r.loss for r in cur.metrics[:position] if is_finite(r.loss)][-limits.loss_window:]
         if len(history) >= limits.loss_min_history and row.loss > limits.loss_spike_factor * median(history):
             spikes.append((row, median(history)))
     found = []
@@ -82,8 +82,8 @@ def _losses(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Fi
 
 def _grad_norms(prev: NodeSample, cur: NodeSample, limits: MonitorLimits) -> list[Finding]:
     rows = [r for _, r in new_rows(prev, cur) if r.grad_norm is not None]
-    bad = [r for r in rows if not finite(r.grad_norm)]
-    high = [r for r in rows if finite(r.grad_norm) and r.grad_norm > limits.grad_norm_max]  # type: ignore[operator]
+    bad = [r for r in rows if not is_finite(r.grad_norm)]
+    high = [r for r in rows if is_finite(r.grad_norm) and r.grad_norm > limits.grad_norm_max]  # type: ignore[operator]
     found = []
     if bad:
         found.append(Finding("grad_norm", Severity.FAIL, "training",

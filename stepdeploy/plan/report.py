@@ -15,7 +15,7 @@ from stepdeploy.plan.layout import Layout, stage_layer_counts
 from stepdeploy.plan.memory import COMPONENTS, MemoryEstimate
 from stepdeploy.plan.params import LayerParams, ParamCount
 from stepdeploy.plan.restart import ASSUMPTIONS, RestartEstimate
-from stepdeploy.plan.search import BatchCap, PlanResult, Verdict
+from stepdeploy.plan.search import BatchCap, LayoutVerdict, PlanResult
 
 RULE_SUMMARY = {rule.name: rule.summary for rule in RULES} | {
     "memory": "does not fit in GPU memory",
@@ -54,7 +54,7 @@ def optimizer_line(layout: Layout) -> str:
             "torch's foreach and fused AdamW on the GPU, and with the optimizer offloaded to the host)")
 
 
-def _knobs(verdict: Verdict) -> str:
+def _knobs(verdict: LayoutVerdict) -> str:
     layout = verdict.layout
     extra = ["offload"] if layout.optimizer_cpu_offload else []
     extra += [f"{adam_implementation(layout)}-adam"]
@@ -195,7 +195,7 @@ def explain_summary(params: ParamCount) -> list[str]:
     return lines
 
 
-def verdict_dict(verdict: Verdict, result_job: Any) -> dict[str, Any]:
+def verdict_dict(verdict: LayoutVerdict, result_job: Any) -> dict[str, Any]:
     lay = verdict.layout
     counts = stage_layer_counts(result_job.model.num_layers, lay) if not verdict.violations else None
     data: dict[str, Any] = {

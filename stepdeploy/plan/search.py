@@ -25,7 +25,7 @@ ADAM_IMPLEMENTATIONS: tuple[AdamImplementation, ...] = ("foreach", "fused")
 
 
 @dataclass(frozen=True)
-class Verdict:
+class LayoutVerdict:
     layout: Layout
     violations: tuple[Violation, ...] = ()
     memory: MemoryEstimate | None = None
@@ -56,14 +56,14 @@ class Verdict:
 class PlanResult:
     job: Job
     cluster: ClusterShape
-    fitting: list[Verdict] = field(default_factory=list)
+    fitting: list[LayoutVerdict] = field(default_factory=list)
     rejected: Counter[str] = field(default_factory=Counter)
-    examples: dict[str, Verdict] = field(default_factory=dict)
+    examples: dict[str, LayoutVerdict] = field(default_factory=dict)
     smallest_fit: ClusterShape | None = None
     # structures that only the global batch ruled out (a knob rule: MBS*DP or VPP's micro-batches per step)
     batch_bound: list[Layout] = field(default_factory=list)
 
-    def reject(self, verdict: Verdict, key: str) -> None:
+    def reject(self, verdict: LayoutVerdict, key: str) -> None:
         self.rejected[key] += 1
         self.examples.setdefault(key, verdict)
 
@@ -97,7 +97,7 @@ def judge(
     hardware: Hardware,
     margin: float = 0.10,
     engine: str = engines.DEFAULT_ENGINE,
-) -> Verdict:
+) -> LayoutVerdict:
     """A layout's verdict: megatron-core's rules, then what `engine` runs (stepdeploy/data/engines.yaml), then
     memory and step time."""
     layout = engines.settle(engine, settle_sequence_parallel(job, settle_param_gather(layout)))
@@ -106,9 +106,9 @@ def judge(
     if refused:
         broken = (Violation("engine", refused),)
     if broken:
-        return Verdict(layout, broken)
+        return LayoutVerdict(layout, broken)
     memory = estimate_memory(params, job, layout, cluster, margin)
-    return Verdict(layout, (), memory, predict_step_time(params, job, layout, cluster, hardware))
+    return LayoutVerdict(layout, (), memory, predict_step_time(params, job, layout, cluster, hardware))
 
 
 def _divisors(n: int, upto: int) -> list[int]:
@@ -152,10 +152,10 @@ def _best_for_structure(
     hardware: Hardware,
     margin: float,
     frugal: bool,
-) -> Verdict:
-    best: Verdict | None = None
-    tightest: Verdict | None = None
-    invalid: Verdict | None = None
+) -> LayoutVerdict:
+    best: LayoutVerdict | None = None
+    tightest: LayoutVerdict | None = None
+    invalid: LayoutVerdict | None = None
     for layout in _knob_choices(structure, frugal):
         verdict = judge(params, job, layout, cluster, hardware, margin)
         if not verdict.valid:
@@ -170,11 +170,11 @@ def _best_for_structure(
     return best or tightest or invalid  # type: ignore[return-value]
 
 
-def _speed(verdict: Verdict) -> float:
+def _speed(verdict: LayoutVerdict) -> float:
     return verdict.time.tokens_per_second if verdict.time else 0.0
 
 
-def _overflow(verdict: Verdict) -> float:
+def _overflow(verdict: LayoutVerdict) -> float:
     return verdict.memory.overflow if verdict.memory else float("inf")
 
 
@@ -215,9 +215,9 @@ class BatchCap:
     global_batch: int
     uncapped_batch: int
     world: int
-    capped: Verdict | None
+    capped: LayoutVerdict | None
     capped_dp: int | None
-    uncapped: Verdict
+    uncapped: LayoutVerdict
     uncapped_dp: int
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from stepdeploy import compat
 from stepdeploy.catalog.hardware import Hardware
-from stepdeploy.preflight.model import Result, fail, ok, skip, warn
+from stepdeploy.preflight.model import Result, fail, ok, skip, warning
 from stepdeploy.stack import StackProfile
 
 CLOCK_SKEW_BOUND_S = 1.0
@@ -130,6 +130,6 @@ def _size(n: int) -> str:
 
 def warn_if_partial(checked: int, total: int) -> Result | None:
     if checked < total:
-        return warn("coverage", f"{checked} of {total} nodes answered", "all nodes",
+        return warning("coverage", f"{checked} of {total} nodes answered", "all nodes",
                     "cross-node checks cover only the nodes that answered; fix the unreachable ones and re-run")
     return None

@@ -6,7 +6,7 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-from stepdeploy.preflight.model import Result, Section, fail, ok, skip, warn
+from stepdeploy.preflight.model import Result, Section, fail, ok, skip, warning
 
 # FACTS (reliability anchors; Azure aznhc): application-level XIDs warn, hardware ones drain the node.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
@@ -15,7 +15,7 @@ DRAIN_FIX = "drain the node: stop scheduling on it, reset the GPU (nvidia-smi -r
 
 
 @dataclass(frozen=True)
-class Gpu:
+class NodeGpu:
     index: int
     name: str
     bus_id: str
@@ -33,7 +33,7 @@ class Gpu:
 class GpuInventory:
     driver: str
     cuda: str
-    gpus: tuple[Gpu, ...]
+    gpus: tuple[NodeGpu, ...]
 
 
 def _int(text: str | None) -> int:
@@ -62,7 +62,7 @@ def parse_smi_xml(text: str) -> GpuInventory:
     for i, g in enumerate(root.findall("gpu")):
         ecc = g.find("ecc_errors")
         remap = g.find("remapped_rows")
-        gpus.append(Gpu(
+        gpus.append(NodeGpu(
             index=_int(g.findtext("minor_number")) if g.findtext("minor_number", "").strip().isdigit() else i,
             name=(g.findtext("product_name") or "").strip(), bus_id=g.get("id", ""),
             memory_mib=_int(g.findtext("fb_memory_usage/total")) or None,
@@ -90,7 +90,7 @@ def inventory(section: Section) -> GpuInventory | str | None:
         return str(exc)
 
 
-def _models(gpus: tuple[Gpu, ...]) -> str:
+def _models(gpus: tuple[NodeGpu, ...]) -> str:
     names = sorted({g.name for g in gpus})
     mem = sorted({g.memory_mib for g in gpus if g.memory_mib})
     return f"{len(gpus)}x {'/'.join(names) or '?'}" + (f" {'/'.join(map(str, mem))} MiB" if mem else "")
@@ -114,9 +114,9 @@ def check_gpus(inv: GpuInventory | str | None, expected_count: int | None, expec
     if expected_model and any(expected_model.lower() not in g.name.lower() for g in inv.gpus):
         return fail("gpus", seen, want, "correct stepdeploy_gpu_model or move the node to the right group")
     if len({g.name for g in inv.gpus}) > 1:
-        return warn("gpus", seen, "one GPU model per node", "mixed GPU models slow every collective to the slowest")
+        return warning("gpus", seen, "one GPU model per node", "mixed GPU models slow every collective to the slowest")
     if catalog_memory_mib and any(g.memory_mib and g.memory_mib < catalog_memory_mib for g in inv.gpus):
-        return warn("gpus", seen, f"{catalog_memory_mib} MiB each (hardware catalog)",
+        return warning("gpus", seen, f"{catalog_memory_mib} MiB each (hardware catalog)",
                     "a GPU reports less memory than its model has: check for MIG or a degraded board")
     return ok("gpus", seen, want)
 
@@ -125,7 +125,7 @@ def check_driver(inv: GpuInventory | str | None, profile_driver: str | None) -> 
     if not isinstance(inv, GpuInventory):
         return skip("driver", "no NVIDIA driver")
     if profile_driver and inv.driver != profile_driver:
-        return warn("driver", inv.driver, f"{profile_driver} (stack profile)",
+        return warning("driver", inv.driver, f"{profile_driver} (stack profile)",
                     "run `stepdeploy provision` to install the profile's driver, or pick the profile that matches")
     return ok("driver", inv.driver, profile_driver or "")
 
@@ -149,7 +149,7 @@ def check_persistence(inv: GpuInventory | str | None) -> Result:
         return skip("persistence", "no NVIDIA driver")
     off = [g.index for g in inv.gpus if g.persistence != "Enabled"]
     if off:
-        return warn("persistence", f"off on GPU {', '.join(map(str, off))}", "Enabled on every GPU",
+        return warning("persistence", f"off on GPU {', '.join(map(str, off))}", "Enabled on every GPU",
                     "systemctl enable --now nvidia-persistenced (or nvidia-smi -pm 1)")
     return ok("persistence", "Enabled on every GPU")
 
@@ -163,7 +163,7 @@ def check_ecc(inv: GpuInventory | str | None) -> Result:
         return fail("ecc", "uncorrectable ECC errors: " + "; ".join(bad), "0 uncorrectable", DRAIN_FIX)
     disabled = [g.index for g in inv.gpus if g.ecc_mode and g.ecc_mode != "Enabled"]
     if disabled:
-        return warn("ecc", f"ECC off on GPU {', '.join(map(str, disabled))}", "ECC Enabled",
+        return warning("ecc", f"ECC off on GPU {', '.join(map(str, disabled))}", "ECC Enabled",
                     "nvidia-smi -e 1 and reboot: without ECC memory errors corrupt training silently")
     corrected = sum(g.correctable_aggregate for g in inv.gpus)
     return ok("ecc", f"0 uncorrectable ({corrected} corrected, aggregate)", "0 uncorrectable")
@@ -194,7 +194,7 @@ def parse_xids(log: str) -> list[tuple[str, int]]:
 
 def check_xid(section: Section, has_gpus: bool) -> Result:
     if not section.ok:
-        return warn("xid", section.text.strip()[-200:] or f"exit {section.rc}", "a readable kernel log",
+        return warning("xid", section.text.strip()[-200:] or f"exit {section.rc}", "a readable kernel log",
                     "run preflight as root (dmesg needs CAP_SYSLOG) or allow kernel.dmesg_restrict=0")
     events = parse_xids(section.text)
     if not events:
@@ -204,7 +204,7 @@ def check_xid(section: Section, has_gpus: bool) -> Result:
     hardware = [c for c in codes if c in HARDWARE_XIDS]
     if hardware:
         return fail("xid", f"XID {listed}", "no hardware XIDs (48/63/64/74/79/92/94/95/119/120)", DRAIN_FIX)
-    return warn("xid", f"XID {listed}", "no XIDs", "application-level XIDs (13/31/43/45/68/109): check the job that "
+    return warning("xid", f"XID {listed}", "no XIDs", "application-level XIDs (13/31/43/45/68/109): check the job that "
                                                   "ran then; unknown codes: look them up in NVIDIA's XID catalog")
 
 
@@ -226,13 +226,13 @@ def check_topology(section: Section, inv: GpuInventory | str | None, nvlink_expe
     if not isinstance(inv, GpuInventory) or len(inv.gpus) < 2:
         return skip("topology", "fewer than 2 GPUs")
     if not section.ok:
-        return warn("topology", f"nvidia-smi topo -m exited {section.rc}", "a GPU link matrix",
+        return warning("topology", f"nvidia-smi topo -m exited {section.rc}", "a GPU link matrix",
                     "check the driver and the fabric manager (nvidia-fabricmanager) on NVSwitch systems")
     links = parse_topology(section.text)
     kinds = sorted(set(links.values()))
     observed = f"{len(inv.gpus)} GPUs, links {'/'.join(kinds) or 'none'}"
     slow = sorted({f"GPU{a}-GPU{b} {k}" for (a, b), k in links.items() if a < b and not k.startswith("NV")})
     if nvlink_expected and slow:
-        return warn("topology", observed + f" ({', '.join(slow[:4])})", "NVLink between every GPU pair",
+        return warning("topology", observed + f" ({', '.join(slow[:4])})", "NVLink between every GPU pair",
                     "GPU pairs over PCIe: check nvidia-fabricmanager and `nvidia-smi nvlink -s` for links down")
     return ok("topology", observed, "NVLink between every GPU pair" if nvlink_expected else "")

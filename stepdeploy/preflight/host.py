@@ -6,7 +6,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from stepdeploy.preflight.model import Result, Section, fail, ok, skip, warn
+from stepdeploy.preflight.model import Result, Section, fail, ok, skip, warning
 from stepdeploy.stack import StackProfile
 
 GIB = 1024**3
@@ -88,7 +88,7 @@ def check_python(section: Section, exp: Expect) -> Result:
     wanted = exp.profile.python if exp.profile else None
     observed = f"{env['python']} ({env['executable']})"
     if wanted and not _same_release(env["python"], wanted):
-        return warn("python", observed, f"{wanted} (stack profile)",
+        return warning("python", observed, f"{wanted} (stack profile)",
                     "recreate the environment with the profile's Python")
     return ok("python", observed, wanted or "")
 
@@ -107,7 +107,8 @@ def check_torch(section: Section, exp: Expect) -> Result:
                     "the driver is too old for torch's CUDA, or no GPU is visible (CUDA_VISIBLE_DEVICES?)")
     wanted = exp.profile.torch if exp.profile else None
     if wanted and not _same_release(env["torch"], wanted):
-        return warn("torch", build, f"{wanted} (stack profile)", "install the profile's torch (stepdeploy provision)")
+        return warning("torch", build, f"{wanted} (stack profile)",
+                       "install the profile's torch (stepdeploy provision)")
     return ok("torch", build, wanted or "")
 
 
@@ -121,7 +122,7 @@ def _optional_package(check: str, env: dict, key: str, wanted: str | None, modul
     if not found:
         return skip(check, "not installed (the profile does not ask for it)")
     if wanted and not _same_release(found, wanted):
-        return warn(check, found, f"{wanted} (stack profile)", f"pip install {check}=={wanted}")
+        return warning(check, found, f"{wanted} (stack profile)", f"pip install {check}=={wanted}")
     return ok(check, found, wanted or "")
 
 
@@ -158,7 +159,7 @@ def check_transformer_engine(section: Section, exp: Expect) -> Result:
             return fail("transformer_engine", f"{found} installed, import fails: {error}", wanted, TE_FIX)
         return ok("transformer_engine", f"{found}: the layout's need is met", wanted)
     if found and error:
-        return warn("transformer_engine", f"{found} installed, import fails: {error}", "importable or not installed",
+        return warning("transformer_engine", f"{found} installed, import fails: {error}", "importable or not installed",
                     "reinstall TransformerEngine against the installed torch/CUDA, or uninstall it")
     if not found:
         return skip("transformer_engine", "not installed (no layout given needs it: preflight --model M --layout L)")
@@ -197,7 +198,7 @@ def check_nccl(pkg: Section, py: Section, exp: Expect) -> Result:
         return skip("nccl", "no NCCL (CPU node: gloo)")
     observed = ", ".join(parts)
     if wanted and not any(v and v.startswith(wanted) for v in (package, bundled)):
-        return warn("nccl", observed, f"{wanted} (stack profile)", "install the profile's NCCL (role nccl)")
+        return warning("nccl", observed, f"{wanted} (stack profile)", "install the profile's NCCL (role nccl)")
     return ok("nccl", observed, wanted or "")
 
 
@@ -209,7 +210,7 @@ def check_memlock(section: Section, fabric: str | None) -> Result:
     observed = f"{value} KiB" if value.isdigit() else value or f"exit {section.rc}"
     if fabric in RDMA_FABRICS:
         return fail("memlock", observed, "unlimited (RDMA registers pinned memory)", fix)
-    return warn("memlock", observed, "unlimited", fix)
+    return warning("memlock", observed, "unlimited", fix)
 
 
 def df_available_bytes(text: str) -> tuple[str, int] | None:
@@ -316,7 +317,7 @@ def check_peermem(section: Section, exp: Expect) -> Result:
         return skip("peermem", "GPUDirect RDMA not used (no GPUs or no RDMA fabric)")
     if re.search(r"^nvidia_peermem\s", section.text, re.MULTILINE):
         return ok("peermem", "nvidia_peermem loaded")
-    return warn("peermem", "nvidia_peermem not loaded", "loaded",
+    return warning("peermem", "nvidia_peermem not loaded", "loaded",
                 "modprobe nvidia-peermem (the old nv_peer_mem module is gone since R470)")
 
 
@@ -340,5 +341,6 @@ def check_iface(section: Section, exp: Expect) -> Result:
                     "configure the interface (netplan/ifupdown) or name another one")
     observed = f"{exp.train_iface} {address} MTU {mtu}"
     if exp.fabric in RDMA_FABRICS and mtu != 9000:
-        return warn("train_iface", observed, "MTU 9000", f"ip link set {exp.train_iface} mtu 9000 (and on the switch)")
+        return warning("train_iface", observed, "MTU 9000",
+                       f"ip link set {exp.train_iface} mtu 9000 (and on the switch)")
     return ok("train_iface", observed)

@@ -43,7 +43,7 @@ def ok(check: str, observed: str, expected: str = "") -> Result:
     return Result(check, Status.OK, observed, expected)
 
 
-def warn(check: str, observed: str, expected: str, fix: str) -> Result:
+def warning(check: str, observed: str, expected: str, fix: str) -> Result:
     return Result(check, Status.WARN, observed, expected, fix)
 
 

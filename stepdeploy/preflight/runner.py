@@ -110,9 +110,9 @@ def versions_of(out: NodeOutput) -> dict[str, str | None]:
 def host_facts(out: NodeOutput, node: Node) -> compat.HostFacts:
     inv = gpu.inventory(out.get("nvidia_smi"))
     if isinstance(inv, gpu.GpuInventory):
-        gpus = tuple(compat.Gpu(name=g.name) for g in inv.gpus)
+        gpus = tuple(compat.GpuModel(name=g.name) for g in inv.gpus)
         return compat.HostFacts(host=node.name, arch=host.arch_of(out.get("uname")), gpus=gpus)
-    declared = tuple(compat.Gpu(name=node.gpu_model) for _ in range(node.gpus_per_node or 0)) \
+    declared = tuple(compat.GpuModel(name=node.gpu_model) for _ in range(node.gpus_per_node or 0)) \
         if node.gpu_model else ()
     return compat.HostFacts(host=node.name, arch=host.arch_of(out.get("uname")), gpus=declared,
                             gpu_source="declared in the inventory")

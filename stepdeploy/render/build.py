@@ -182,4 +182,4 @@ def build_run(cluster: Cluster, spec: ModelSpec, layout: str | None, opts: Rende
 
 def shipped_dataset(opts: RenderOptions) -> ShippedDataset | None:
     """The prepared dataset `--data` names, checked and read (None: synthetic tokens)."""
-    return ShippedDataset.read(corpus.load(Path(opts.data))) if opts.data else None
+    return ShippedDataset.read(corpus.load_prepared(Path(opts.data))) if opts.data else None

@@ -86,7 +86,7 @@ def up(cfg: SimConfig, nodes: int, progress: Progress = _quiet) -> SimState:
         raise BadInput(f"--nodes must be between 1 and {MAX_NODES}, got {nodes}")
     host.require_prerequisites(need_build=not (base.base_dir(cfg.recipe) / ".stepdeploy-base.json").exists())
     with statefile.locked(cfg.dir):
-        sim = statefile.load(cfg.dir)
+        sim = statefile.load_state(cfg.dir)
         base_path = base.ensure_base(cfg.recipe, progress)
         sim = _check_compatible(cfg, sim, nodes, base_path)
         _ensure_client_key(cfg)
@@ -225,7 +225,7 @@ def down(cfg: SimConfig, *, purge: bool = False, progress: Progress = _quiet) ->
     if os.geteuid() != 0:
         host.require_prerequisites(need_build=False)
     with statefile.locked(cfg.dir):
-        sim = statefile.load(cfg.dir)
+        sim = statefile.load_state(cfg.dir)
         if sim is None:
             progress(f"no simulated cluster {cfg.name!r} is recorded under {cfg.dir}")
         else:
@@ -278,7 +278,7 @@ def leftovers(cfg: SimConfig, sim: SimState) -> list[str]:
 
 
 def status(cfg: SimConfig) -> dict:
-    sim = statefile.load(cfg.dir)
+    sim = statefile.load_state(cfg.dir)
     if sim is None:
         return {"name": cfg.name, "state_dir": str(cfg.dir), "up": False, "nodes": []}
     nodes = []

@@ -27,7 +27,7 @@ class SimNode:
 
 def sim_node(state_dir: Path, node: str, address: str) -> SimNode | None:
     """The simulated node behind an inventory host (same name and address), or None."""
-    sim = simstate.load(state_dir)
+    sim = simstate.load_state(state_dir)
     found = sim.node(node) if sim else None
     if found is None or found.address != address:
         return None
@@ -82,7 +82,7 @@ def link_guard(netns: str, iface: str, for_s: float) -> None:
 
 def kill_node(node: SimNode) -> None:
     """The node is gone: its whole process tree (sshd included) killed, as a power loss would."""
-    sim = simstate.load(node.state_dir)
+    sim = simstate.load_state(node.state_dir)
     found = sim.node(node.name) if sim else None
     if found is not None:
         simnode.stop(found)
@@ -92,7 +92,7 @@ def revive_guard(node: SimNode, for_s: float) -> None:
     """A detached host process that starts the simulated node again after `for_s` (`sim up` of its cluster)."""
     code = ("import sys, time; from pathlib import Path; time.sleep(float(sys.argv[1])); "
             "from stepdeploy.sim import state; from stepdeploy.sim.cluster import SimConfig, up; "
-            "s = state.load(Path(sys.argv[2])); "
+            "s = state.load_state(Path(sys.argv[2])); "
             "up(SimConfig(name=s.name, subnet=s.subnet, http_port=s.http_port, state_dir=Path(sys.argv[2])), "
             "len(s.nodes))")
     log = open(node.state_dir / f"revive-{node.name}.log", "ab")  # noqa: SIM115 (handed to the child)

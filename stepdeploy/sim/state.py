@@ -52,7 +52,7 @@ def state_file(state_dir: Path) -> Path:
     return state_dir / "state.json"
 
 
-def load(state_dir: Path) -> SimState | None:
+def load_state(state_dir: Path) -> SimState | None:
     try:
         return SimState.from_json(json.loads(state_file(state_dir).read_text()))
     except FileNotFoundError:

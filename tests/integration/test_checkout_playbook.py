@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stepdeploy.sim.state import load
+from stepdeploy.sim.state import load_state
 
 from .conftest import Cluster, close_ssh_masters, private_cluster
 from .test_provision import _upper_files
@@ -33,7 +33,7 @@ LOGIN_RECORDS = {"var/log", "var/log/wtmp", "var/log/lastlog", "var/log/btmp"}
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with private_cluster(tmp_path_factory, "sdcheck", "10.95.0.0/24", 8095, nodes=1) as cfg:
-        state = load(cfg.dir)
+        state = load_state(cfg.dir)
         assert state is not None
         try:
             yield Cluster(cfg=cfg, state=state)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stepdeploy.sim.state import load
+from stepdeploy.sim.state import load_state
 from tests.wheel_venv import REPO, InstalledWheel
 
 from .conftest import Cluster, close_ssh_masters, private_cluster
@@ -29,7 +29,7 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A node of its own that nothing has provisioned (the session's sdtest nodes have had the common role from
     test_provision.py), so check mode meets every role's first-run paths."""
     with private_cluster(tmp_path_factory, "sdwheel", "10.90.0.0/24", 8091, nodes=1) as cfg:
-        state = load(cfg.dir)
+        state = load_state(cfg.dir)
         assert state is not None
         try:
             yield Cluster(cfg=cfg, state=state)

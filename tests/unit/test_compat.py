@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from stepdeploy.compat import Gpu, HostFacts, check, facts_from_nvidia_smi, gpu_arch, verdict
+from stepdeploy.compat import GpuModel, HostFacts, check, facts_from_nvidia_smi, gpu_arch, verdict
 from stepdeploy.stack import StackProfile, get_profile
 
-GB10 = HostFacts("spark-1", "aarch64", (Gpu("NVIDIA GB10", "12.1"),))
-H200 = HostFacts("h200-1", "x86_64", (Gpu("NVIDIA H200", "9.0"),))
+GB10 = HostFacts("spark-1", "aarch64", (GpuModel("NVIDIA GB10", "12.1"),))
+H200 = HostFacts("h200-1", "x86_64", (GpuModel("NVIDIA H200", "9.0"),))
 CPU = HostFacts("cpu-1", "x86_64", ())
 
 
@@ -17,12 +17,12 @@ def _profile(**overrides: str | None) -> StackProfile:
 
 
 def test_gpu_arch_from_compute_capability_or_name() -> None:
-    assert gpu_arch(Gpu("NVIDIA H200", "9.0")) == ("90", "hopper")
-    assert gpu_arch(Gpu("NVIDIA GB10")) == ("121", "blackwell")  # no compute_cap: by name
-    assert gpu_arch(Gpu("Some Future GPU")) is None
+    assert gpu_arch(GpuModel("NVIDIA H200", "9.0")) == ("90", "hopper")
+    assert gpu_arch(GpuModel("NVIDIA GB10")) == ("121", "blackwell")  # no compute_cap: by name
+    assert gpu_arch(GpuModel("Some Future GPU")) is None
     # lspci names, before a driver exists: whole words only (GB10 is not GB100)
-    assert gpu_arch(Gpu('41:00.0 "3D controller" "NVIDIA Corporation" "GB100 [B200]"')) == ("100", "blackwell")
-    assert gpu_arch(Gpu('01:00.0 "3D controller" "NVIDIA Corporation" "GH100 [H200 SXM 141GB]"'))[0] == "90"
+    assert gpu_arch(GpuModel('41:00.0 "3D controller" "NVIDIA Corporation" "GB100 [B200]"')) == ("100", "blackwell")
+    assert gpu_arch(GpuModel('01:00.0 "3D controller" "NVIDIA Corporation" "GH100 [H200 SXM 141GB]"'))[0] == "90"
 
 
 def test_seed_profile_refused_on_gb10_with_the_conflicts_and_working_profiles() -> None:
@@ -101,21 +101,21 @@ def test_flash_attn(fa: str | None, cuda: str, host: HostFacts, ok: bool) -> Non
 
 
 def test_flash_attn_on_blackwell_needs_nvcc_12_8() -> None:
-    b200 = HostFacts("b200-1", "x86_64", (Gpu("NVIDIA B200", "10.0"),))
+    b200 = HostFacts("b200-1", "x86_64", (GpuModel("NVIDIA B200", "10.0"),))
     conflicts = [c for c in check(_profile(flash_attn="2.8.3", cuda="12.6", driver="590.44.01"), b200)
                  if c.component == "flash-attn"]
     assert conflicts and "CUDA >= 12.8" in conflicts[0].required and "setup.py" in conflicts[0].source
 
 
 @pytest.mark.parametrize("gpu, arch", [
-    (Gpu("NVIDIA A10", "8.6"), ("86", "ampere")),
-    (Gpu("NVIDIA A10"), ("86", "ampere")),  # by name: A10 is not A100
-    (Gpu("NVIDIA A100-SXM4-80GB"), ("80", "ampere")),
-    (Gpu("NVIDIA L40S"), ("89", "ada")),
-    (Gpu("NVIDIA L4"), ("89", "ada")),
-    (Gpu("NVIDIA B300"), ("103", "blackwell")),
+    (GpuModel("NVIDIA A10", "8.6"), ("86", "ampere")),
+    (GpuModel("NVIDIA A10"), ("86", "ampere")),  # by name: A10 is not A100
+    (GpuModel("NVIDIA A100-SXM4-80GB"), ("80", "ampere")),
+    (GpuModel("NVIDIA L40S"), ("89", "ada")),
+    (GpuModel("NVIDIA L4"), ("89", "ada")),
+    (GpuModel("NVIDIA B300"), ("103", "blackwell")),
 ])
-def test_sm86_sm89_and_b300_by_name_or_capability(gpu: Gpu, arch: tuple[str, str]) -> None:
+def test_sm86_sm89_and_b300_by_name_or_capability(gpu: GpuModel, arch: tuple[str, str]) -> None:
     assert gpu_arch(gpu) == arch
 
 
@@ -125,7 +125,7 @@ def test_sm86_sm89_and_b300_by_name_or_capability(gpu: Gpu, arch: tuple[str, str
     ("NVIDIA B300", "10.3", "12.9", True), ("NVIDIA B300", "10.3", "12.8", False),
 ])
 def test_cuda_minimum_for_sm86_sm89_sm103_with_its_release_notes(name: str, cap: str, cuda: str, ok: bool) -> None:
-    host = HostFacts("h", "x86_64", (Gpu(name, cap),))
+    host = HostFacts("h", "x86_64", (GpuModel(name, cap),))
     conflicts = [c for c in check(_profile(cuda=cuda, driver="590.44.01"), host) if c.component == "CUDA"]
     assert (not conflicts) is ok
     assert all(c.source.startswith("https://docs.nvidia.com/cuda/") for c in conflicts)
@@ -160,7 +160,7 @@ def test_gpu_node_with_a_cpu_profile_is_refused() -> None:
 
 def test_facts_from_nvidia_smi_csv() -> None:
     facts = facts_from_nvidia_smi("n", "x86_64", "NVIDIA H200, 9.0\nNVIDIA H200, 9.0\n")
-    assert facts.gpus == (Gpu("NVIDIA H200", "9.0"), Gpu("NVIDIA H200", "9.0"))
+    assert facts.gpus == (GpuModel("NVIDIA H200", "9.0"), GpuModel("NVIDIA H200", "9.0"))
 
 
 def test_sliding_windows_need_a_torch_with_flex_attention() -> None:

@@ -24,13 +24,6 @@ ALLOWED = {
     # Peers: workload/torch_ckpt.py and workload/megatron_ckpt.py implement one checkpoint interface, each engine
     # loads its own (loose files on the nodes, chosen by module like the executors).
     "Saver": "one checkpoint interface, one implementation per engine module",
-    # pending: outside wtC's files; renames proposed in wtC's report
-    "Gpu": "pending: compat.py (a GPU model) vs preflight/gpu.py (one GPU a node reports)",
-    "Verdict": "pending: compat.py (a stack profile's) vs plan/search.py (a layout's)",
-    "finite": "pending: safeio.py (JSON-safe value) vs monitor/parse_workload.py (a predicate)",
-    "load": "pending: cli/report.py, corpus/stored.py, sim/state.py each load a different thing",
-    "prepare": "pending: cli/rollout_checks.py (a rollout's checks) vs corpus/prepare.py (tokenize a dataset)",
-    "warn": "pending: cli/output.py (print a warning) vs preflight/model.py (a WARN result)",
 }
 
 

@@ -96,7 +96,7 @@ def test_links_at_every_temporary_looking_name_are_ignored(tmp_path: Path, share
     for suffix in (".bin", ".idx", ".json", ".tokenizer.json"):
         info = os.lstat(shared / f"corpus{suffix}")
         assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o644
-    assert corpus.load(shared / "corpus").tokenizer.kind == "trained-bpe"
+    assert corpus.load_prepared(shared / "corpus").tokenizer.kind == "trained-bpe"
     leftovers = {p.name for p in shared.iterdir()} - set(names) - {f"corpus{s}" for s in
                                                                    (".bin", ".idx", ".json", ".tokenizer.json")}
     assert not leftovers  # no temporary left behind
@@ -157,7 +157,7 @@ def test_another_users_link_in_a_shared_directory_is_not_followed(tmp_path: Path
     (shared / "mine").symlink_to(elsewhere)  # our own link: followed, as the kernel would
     code, err = run_main(["data", "prepare", str(text), "--out", str(shared / "mine" / "corpus")], capsys)
     assert code == 0, err
-    assert corpus.load(elsewhere / "corpus").documents == 1
+    assert corpus.load_prepared(elsewhere / "corpus").documents == 1
 
 
 # --- (b) FIFOs, sockets and devices as input ----------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_symlinks_planted_in_a_shared_output_directory_are_never_followed(tmp_pa
     res = prepare(str(tmp_path / "a.txt"), "--out", str(shared / "corpus"))
     assert res.exit_code == 0, (res.output, res.exception)
     assert all(victim.read_bytes() == content for victim, content in victims.items())
-    assert not (shared / "corpus.bin").is_symlink() and corpus.load(shared / "corpus").documents == 1
+    assert not (shared / "corpus.bin").is_symlink() and corpus.load_prepared(shared / "corpus").documents == 1
 
     (shared / "next.bin").symlink_to(outside / "created-through-the-link")  # dangling: exists() says no
     res = prepare(str(tmp_path / "a.txt"), "--out", str(shared / "next"))
@@ -118,7 +118,7 @@ def test_a_description_with_wrong_fields_is_one_error_line(tmp_path: Path, chang
     meta = description(tmp_path)
     meta.write_text(json.dumps({**json.loads(meta.read_text()), **change}))
     with pytest.raises(BadInput) as refusal:
-        corpus.load(tmp_path / "c")
+        corpus.load_prepared(tmp_path / "c")
     assert refusal.value.exit_code == 2 and "not a dataset description" in refusal.value.message
     assert "\n" not in refusal.value.message
 
@@ -128,22 +128,22 @@ def test_a_description_missing_a_key_is_refused(tmp_path: Path, missing: str) ->
     meta = description(tmp_path)
     meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != missing}))
     with pytest.raises(BadInput, match=f"not a dataset description .*{missing}"):
-        corpus.load(tmp_path / "c")
+        corpus.load_prepared(tmp_path / "c")
 
 
 def test_a_description_written_before_real_tokenizers_still_loads(tmp_path: Path) -> None:
     meta = description(tmp_path)
     old = {k: v for k, v in json.loads(meta.read_text()).items() if k not in ("max_id", "padded_vocab")}
     meta.write_text(json.dumps({**old, "tokenizer": "byte"}))
-    loaded = corpus.load(tmp_path / "c")
+    loaded = corpus.load_prepared(tmp_path / "c")
     assert (loaded.tokenizer.kind, loaded.vocab, loaded.eod, loaded.max_id) == ("byte", 257, 256, 256)
 
 
 def test_a_fifo_or_link_for_the_description_is_refused_without_hanging(tmp_path: Path, no_hang: None) -> None:
     os.mkfifo(tmp_path / "f.json")
     with pytest.raises(BadInput, match="not a regular file"):
-        corpus.load(tmp_path / "f")
+        corpus.load_prepared(tmp_path / "f")
     meta = description(tmp_path)
     (tmp_path / "l.json").symlink_to(meta)
     with pytest.raises(BadInput, match="symbolic link"):
-        corpus.load(tmp_path / "l")
+        corpus.load_prepared(tmp_path / "l")

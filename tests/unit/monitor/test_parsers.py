@@ -94,4 +94,4 @@ def test_workload_files():
     assert [(r.rank, r.state, r.node) for r in ranks] == [(0, "running", "h200"), (1, "exited", "h200")]
     rows = parse_workload.parse_metrics(faults.metrics([(1, float("nan"), float("inf"), [0.5, 0.6])]) + '\n{"it')
     assert len(rows) == 1 and rows[0].iteration == 1 and rows[0].rank_step_time_s == (0.5, 0.6)
-    assert not parse_workload.finite(rows[0].loss) and not parse_workload.finite(rows[0].grad_norm)
+    assert not parse_workload.is_finite(rows[0].loss) and not parse_workload.is_finite(rows[0].grad_norm)

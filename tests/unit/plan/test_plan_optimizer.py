@@ -17,7 +17,7 @@ from stepdeploy.plan import steptime
 from stepdeploy.plan.cluster import shape_from_cluster
 from stepdeploy.plan.layout import Job, parse_layout
 from stepdeploy.plan.params import count_parameters
-from stepdeploy.plan.search import Verdict, judge
+from stepdeploy.plan.search import LayoutVerdict, judge
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GIB = 2**30
@@ -36,7 +36,7 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _verdict(layout: str, gpus: int = 1, model: str = "proxy-0.7b-dense") -> Verdict:
+def _verdict(layout: str, gpus: int = 1, model: str = "proxy-0.7b-dense") -> LayoutVerdict:
     spec = load_model(model)
     shape = shape_from_cluster(load_cluster(str(FIXTURES / f"h200x{gpus}.ini")))
     return judge(count_parameters(spec), Job(spec, 2048, 32, gpus), parse_layout(layout), shape, load_hardware())

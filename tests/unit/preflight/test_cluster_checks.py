@@ -34,9 +34,9 @@ def test_reachability_lists_the_broken_pairs() -> None:
 
 
 def test_compat_uses_the_matrix_on_the_gpus_found() -> None:
-    h200 = [compat.HostFacts("a", "x86_64", (compat.Gpu("NVIDIA H200"),))]
+    h200 = [compat.HostFacts("a", "x86_64", (compat.GpuModel("NVIDIA H200"),))]
     assert cluster.check_compat(get_profile("hopper-cu130"), h200).status is Status.OK
-    gb10 = [compat.HostFacts("s", "aarch64", (compat.Gpu("NVIDIA GB10"),))]
+    gb10 = [compat.HostFacts("s", "aarch64", (compat.GpuModel("NVIDIA GB10"),))]
     result = cluster.check_compat(get_profile("seed-2024"), gb10)
     assert result.status is Status.FAIL and "spark-cuda13" in result.fix
     assert cluster.check_compat(None, h200).status is Status.SKIP

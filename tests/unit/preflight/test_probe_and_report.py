@@ -11,7 +11,7 @@ import sys
 from rich.console import Console
 
 from stepdeploy.preflight import probe, report
-from stepdeploy.preflight.model import Report, Status, fail, ok, warn
+from stepdeploy.preflight.model import Report, Status, fail, ok, warning
 from stepdeploy.workload import nccl_bench
 
 
@@ -40,12 +40,12 @@ def _report() -> Report:
     return Report(nodes=["n1", "n2"], results=[
         ok("os", "Debian 12").on("n1"), ok("os", "Debian 12").on("n2"),
         fail("ecc", "uncorrectable ECC errors: GPU 0", "0 uncorrectable", "drain the node").on("n2"),
-        warn("memlock", "8192 KiB", "unlimited", "limits.d").on("n1"), ok("clock", "max |skew| 0.001 s")])
+        warning("memlock", "8192 KiB", "unlimited", "limits.d").on("n1"), ok("clock", "max |skew| 0.001 s")])
 
 
 def test_exit_codes() -> None:
     assert Report(nodes=["a"], results=[ok("os", "x").on("a")]).exit_code == 0
-    assert Report(nodes=["a"], results=[warn("os", "x", "y", "z").on("a")]).exit_code == 0
+    assert Report(nodes=["a"], results=[warning("os", "x", "y", "z").on("a")]).exit_code == 0
     assert _report().exit_code == 1
     assert Report(nodes=["a"], results=[], unreachable={"a": "timeout"}).exit_code == 3
 
