@@ -5,8 +5,9 @@ an XID logged after the previous sample. A condition already present in the prev
 then (or by preflight), so a steady node raises nothing, however old its counters. A counter that went
 down was reset (driver reload, reboot): its delta is its new value.
 
-A `link` finding is a failure (a port or interface not up now, link_downed rose) except one: an interface that
-went down and came up again between two samples (its carrier_down_count rose, it is up now) is a `link` warning.
+A `link` finding is a failure (a port or interface not up now, link_downed rose on a port not ACTIVE now) except a
+flap: an interface or IB port that went down and came up again between two samples (its carrier_down_count or
+link_downed rose, it is up / ACTIVE now) is a `link` warning.
 A judgement sees samples only; whether the run trained through the flap is for its caller to weigh.
 """
 
@@ -101,10 +102,17 @@ def _ib_pair(before: IbPort, after: IbPort) -> list[Finding]:
     for group, names in (("counters", IB_ERROR_COUNTERS), ("hw_counters", IB_RETRANSMIT_COUNTERS)):
         old, new = getattr(before, group), getattr(after, group)
         for name in names:
-            if (rise := delta(old.get(name), new.get(name))) > 0:
-                severity = FAIL if name == "link_downed" else WARN
-                found.append(Finding("ib_counter", severity, subject, f"{name} +{rise} ({old[name]} -> {new[name]})",
-                                     fix=LINK_FIX))
+            if (rise := delta(old.get(name), new.get(name))) <= 0:
+                continue
+            if name == "link_downed" and before.state == after.state == "ACTIVE":
+                # down and ACTIVE again between two samples, as a carrier flap: a warning here; whether the run
+                # rode it out is the soak's call (rollout/monitors.grade_flaps)
+                found.append(Finding("link", WARN, subject, f"IB port went down {rise} time(s) since the previous "
+                                     f"sample (link_downed {old[name]} -> {new[name]}; now ACTIVE)", fix=LINK_FIX))
+                continue
+            severity = FAIL if name == "link_downed" else WARN
+            found.append(Finding("ib_counter", severity, subject, f"{name} +{rise} ({old[name]} -> {new[name]})",
+                                 fix=LINK_FIX))
     return found
 
 

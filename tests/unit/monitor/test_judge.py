@@ -86,6 +86,16 @@ def test_ib_port_going_down_fails_that_port_only():
     assert findings[0].message == "IB port ACTIVE -> DOWN (Disabled)"
 
 
+def test_an_ib_port_that_went_down_and_is_active_again_is_a_link_warning_not_a_failure():
+    """As a carrier flap (issue 36): link_downed rose but the port is ACTIVE in both samples; whether the run rode
+    it out is rollout/monitors.grade_flaps' call. Down now, it stays a failure (the test above)."""
+    prev = faults.parse(_with_ib({"mlx5_0/1": "4: ACTIVE"}, {"mlx5_0/1": {"link_downed": 2}})(faults.recorded(1)))
+    cur = faults.parse(_with_ib({"mlx5_0/1": "4: ACTIVE"}, {"mlx5_0/1": {"link_downed": 3}})(faults.recorded(2)))
+    findings = judge_node(prev, cur)
+    assert [(f.kind, f.severity, f.subject) for f in findings] == [("link", WARN, "mlx5_0/1")]
+    assert "link_downed 2 -> 3; now ACTIVE" in findings[0].message
+
+
 def test_ib_error_counters_warn_on_increase_and_congestion_counters_do_not():
     counters = {"symbol_error": 2, "port_xmit_wait": 10, "local_ack_timeout_err": 0}
     prev = faults.parse(_with_ib({"mlx5_0/1": "4: ACTIVE"}, {"mlx5_0/1": counters})(faults.recorded(1)))
