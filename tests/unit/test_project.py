@@ -53,7 +53,7 @@ def _ci_clone(tmp_path: Path, fail: dict[str, int]) -> tuple[Path, dict[str, str
 @pytest.mark.parametrize(("fail", "code", "last"), [
     ({}, 0, "python -m pytest"),
     ({"stepdeploy": 1}, 1, "stepdeploy demo"),  # the demo's rollout failed: CI fails, the suite never starts
-    ({"pip": 3}, 3, "pip install -q -e ."),  # a failure inside the demo's && chain, which set -e lets through
+    ({"pip": 3}, 3, "pip install -q ."),  # a failure inside the demo's && chain, which set -e lets through
 ])
 def test_ci_runs_the_demo_then_the_suite_and_a_failing_demo_fails_it(tmp_path: Path, fail: dict[str, int],
                                                                       code: int, last: str) -> None:
