@@ -22,7 +22,7 @@ import pytest
 from stepdeploy.remote.ssh import Endpoint
 from stepdeploy.sim import host
 from stepdeploy.sim.cluster import SimConfig, down, up
-from stepdeploy.sim.state import SimState
+from stepdeploy.sim.state import SimState, load_state
 
 TEST_CLUSTER = "sdtest"
 TEST_SUBNET = "10.78.0.0/24"
@@ -84,6 +84,19 @@ def private_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, subnet:
     finally:
         report = down(cfg)
         assert report.leftovers == [], f"sim down left: {report.leftovers}"
+
+
+@contextlib.contextmanager
+def fresh_node(tmp_path_factory: pytest.TempPathFactory, name: str, subnet: str, http_port: int) -> Iterator[Cluster]:
+    """One node of a test module's own that nothing has provisioned (private_cluster), its SSH ControlMasters
+    closed at the end (Ansible's would keep the node's namespaces alive)."""
+    with private_cluster(tmp_path_factory, name, subnet, http_port, nodes=1) as cfg:
+        state = load_state(cfg.dir)
+        assert state is not None
+        try:
+            yield Cluster(cfg=cfg, state=state)
+        finally:
+            close_ssh_masters(cfg.dir / "cp")
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stepdeploy.sim.state import load_state
-
-from .conftest import Cluster, close_ssh_masters, private_cluster
+from .conftest import Cluster, fresh_node
 from .test_provision import _upper_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,13 +30,8 @@ LOGIN_RECORDS = {"var/log", "var/log/wtmp", "var/log/lastlog", "var/log/btmp"}
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with private_cluster(tmp_path_factory, "sdcheck", "10.95.0.0/24", 8095, nodes=1) as cfg:
-        state = load_state(cfg.dir)
-        assert state is not None
-        try:
-            yield Cluster(cfg=cfg, state=state)
-        finally:  # Ansible's SSH ControlMasters would keep the node's namespaces alive
-            close_ssh_masters(cfg.dir / "cp")
+    with fresh_node(tmp_path_factory, "sdcheck", "10.95.0.0/24", 8095) as cluster:
+        yield cluster
 
 
 def _user_env(cluster: Cluster) -> dict[str, str]:

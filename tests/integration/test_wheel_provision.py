@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stepdeploy.sim.state import load_state
 from tests.wheel_venv import REPO, InstalledWheel
 
-from .conftest import Cluster, close_ssh_masters, private_cluster
+from .conftest import Cluster, fresh_node
 from .test_provision import _upper_files
 
 NODE = "node1"
@@ -28,13 +27,8 @@ APT_CACHE = {"var", "var/cache", "var/cache/apt"}  # apt rebuilds its binary cac
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A node of its own that nothing has provisioned (the session's sdtest nodes have had the common role from
     test_provision.py), so check mode meets every role's first-run paths."""
-    with private_cluster(tmp_path_factory, "sdwheel", "10.90.0.0/24", 8091, nodes=1) as cfg:
-        state = load_state(cfg.dir)
-        assert state is not None
-        try:
-            yield Cluster(cfg=cfg, state=state)
-        finally:  # Ansible's SSH ControlMasters would keep the node's namespaces alive
-            close_ssh_masters(cfg.dir / "cp")
+    with fresh_node(tmp_path_factory, "sdwheel", "10.90.0.0/24", 8091) as cluster:
+        yield cluster
 
 
 def test_provision_check_from_the_installed_wheel(fresh: Cluster, wheel_install: InstalledWheel, tmp_path: Path,

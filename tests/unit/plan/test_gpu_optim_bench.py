@@ -5,7 +5,6 @@ shellcheck over the script and what it sources."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit._source import bench_script
+
 ROOT = Path(__file__).resolve().parents[3]
 RUNS = Path(__file__).parent / "fixtures" / "h200-optim-runs"
-_spec = importlib.util.spec_from_file_location("optim_table", ROOT / "bench" / "optim_table.py")
-assert _spec and _spec.loader
-optim_table = importlib.util.module_from_spec(_spec)
-sys.modules["optim_table"] = optim_table
-_spec.loader.exec_module(optim_table)
+optim_table = bench_script("optim_table")
 
 
 def test_the_scripts_are_shellcheck_clean() -> None:

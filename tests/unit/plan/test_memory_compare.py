@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from stepdeploy.catalog import load_model
+from tests.unit._source import bench_script
 
 ROOT = Path(__file__).resolve().parents[3]
-_spec = importlib.util.spec_from_file_location("memory_compare", ROOT / "bench" / "memory_compare.py")
-assert _spec and _spec.loader
-mc = importlib.util.module_from_spec(_spec)
-sys.modules["memory_compare"] = mc
-_spec.loader.exec_module(mc)
+mc = bench_script("memory_compare")
 
 DENSE = load_model("proxy-0.7b-dense")
 SBH = 2048 * 1 * 2048  # s * b * h at micro-batch 1

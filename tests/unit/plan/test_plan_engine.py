@@ -4,10 +4,6 @@ A subset of bench/plan_engine_matrix.py (every catalog model on every inventory:
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from stepdeploy.catalog import load_hardware, load_model
@@ -16,15 +12,11 @@ from stepdeploy.plan.cluster import cluster_shape
 from stepdeploy.plan.layout import Job, Layout, parse_layout
 from stepdeploy.plan.params import count_parameters
 from stepdeploy.plan.search import judge
+from tests.unit._source import bench_script
 
 pytest.importorskip("megatron.core", reason="megatron-core not importable (pip install megatron-core==0.16.1)")
 
-ROOT = Path(__file__).resolve().parents[3]
-_spec = importlib.util.spec_from_file_location("plan_engine_matrix", ROOT / "bench" / "plan_engine_matrix.py")
-assert _spec and _spec.loader
-matrix = importlib.util.module_from_spec(_spec)
-sys.modules["plan_engine_matrix"] = matrix
-_spec.loader.exec_module(matrix)
+matrix = bench_script("plan_engine_matrix")
 
 
 PLAN_LISTS = 10  # the layouts `stepdeploy plan` lists (its --top default): every one of them is checked

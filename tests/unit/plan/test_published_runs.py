@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-_spec = importlib.util.spec_from_file_location("published_runs", ROOT / "bench" / "published_runs.py")
-assert _spec and _spec.loader
-published_runs = importlib.util.module_from_spec(_spec)
-sys.modules["published_runs"] = published_runs
-_spec.loader.exec_module(published_runs)
+from tests.unit._source import bench_script
+
+published_runs = bench_script("published_runs")
 
 
 def test_published_tokens_follow_the_recipes_formula() -> None:

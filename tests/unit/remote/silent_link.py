@@ -11,6 +11,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import paramiko
@@ -84,31 +85,36 @@ class Link:
         self._sockets.append(sock)
         return sock
 
-    def _serve(self) -> None:
+    def _accept_each(self, listener: socket.socket, handle: Callable[[socket.socket], None]) -> None:
+        """`handle` every connection `listener` accepts, until it is closed."""
         while not self._closed.is_set():
             try:
-                conn, _ = self._sshd.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return
-            transport = paramiko.Transport(conn)
-            transport.add_server_key(self.host_key)
-            self._transports.append(transport)
-            threading.Thread(target=self._negotiate, args=(transport,), daemon=True).start()
+            handle(conn)
+
+    def _serve(self) -> None:
+        self._accept_each(self._sshd, self._open_transport)
+
+    def _open_transport(self, conn: socket.socket) -> None:
+        transport = paramiko.Transport(conn)
+        transport.add_server_key(self.host_key)
+        self._transports.append(transport)
+        threading.Thread(target=self._negotiate, args=(transport,), daemon=True).start()
 
     def _negotiate(self, transport: paramiko.Transport) -> None:  # one at a time would let a stuck client block all
         with contextlib.suppress(Exception):
             transport.start_server(server=self._server)
 
     def _relay_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._relay.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self._sshd.getsockname())
-            self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+        self._accept_each(self._relay, self._relay_one)
+
+    def _relay_one(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(self._sshd.getsockname())
+        self._sockets += [client, upstream]
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
