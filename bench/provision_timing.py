@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from stepdeploy.ansible_run import runner_env
+from stepdeploy.provision.runner import playbooks_dir, roles_dir
 from stepdeploy.sim.cluster import SimConfig, down, up
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,9 +41,9 @@ def measure(nodes: int, profile: str, state_dir: Path) -> dict:
         first, rc1, _ = timed(provision)
         again, rc2, out = timed(provision)
         changed = {h: v["changed"] for h, v in json.loads(out)["hosts"].items()} if rc2 == 0 else None
-        env = {**os.environ, **runner_env({"ANSIBLE_ROLES_PATH": str(ROOT / "roles")})}
+        env = {**os.environ, **runner_env({"ANSIBLE_ROLES_PATH": str(roles_dir())})}
         plain, rc3, _ = timed([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv),
-                               str(ROOT / "playbooks/site.yml")], env=env)
+                               str(playbooks_dir() / "site.yml")], env=env)
         return {"nodes": nodes, "profile": profile, "first_run_s": round(first, 1), "rerun_s": round(again, 1),
                 "rerun_changed": changed, "plain_ansible_playbook_rerun_s": round(plain, 1),
                 "wrapper_over_plain": round(again / plain, 3), "exit_codes": [rc1, rc2, rc3]}

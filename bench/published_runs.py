@@ -35,7 +35,7 @@ from stepdeploy.plan.cluster import ClusterShape, cluster_shape
 from stepdeploy.plan.constraints import violations
 from stepdeploy.plan.layout import Job, Layout
 from stepdeploy.plan.memory import estimate_memory
-from stepdeploy.plan.params import count_parameters
+from stepdeploy.plan.params import ParamCount, count_parameters
 from stepdeploy.plan.search import LayoutVerdict, judge, search, settle_param_gather
 
 DGXC = "https://github.com/NVIDIA/dgxc-benchmarking/blob/main/"
@@ -158,9 +158,10 @@ def te_class_host() -> Iterator[None]:
         yield
 
 
-def te_class_verdict(spec: ModelSpec, run: Run, cluster: ClusterShape, hardware: Hardware) -> LayoutVerdict:
-    """The published layout as NeMo runs it: megatron-core's rules, no engine refusals (TE has SP and CP)."""
-    params, job = count_parameters(spec), Job(spec, run.seq, run.gbs, cluster.world)
+def te_class_verdict(params: ParamCount, job: Job, run: Run, cluster: ClusterShape,
+                     hardware: Hardware) -> LayoutVerdict:
+    """The published layout as NeMo runs it: plan.search.judge's steps with megatron-core's rules only, no engine
+    settling or refusals (TE has SP and CP), under the TE-class host time."""
     layout = settle_param_gather(run.layout())
     broken = tuple(violations(job, layout))
     if broken:
@@ -189,7 +190,7 @@ def evaluate(run: Run, hardware: Hardware) -> dict[str, Any]:
     spec = model_spec(run.model, run)
     cluster = cluster_shape(run.gpus // 8, 8, "H100", "ib-400g")
     params, job = count_parameters(spec), Job(spec, run.seq, run.gbs, cluster.world)
-    te = te_class_verdict(spec, run, cluster, hardware)
+    te = te_class_verdict(params, job, run, cluster, hardware)
     on_engine = judge(params, job, run.layout(), cluster, hardware)
     result = search(spec, cluster, hardware, run.seq, run.gbs)
     best = result.fitting[0] if result.fitting else None
