@@ -21,8 +21,8 @@ The cost is linear in the lines, phases, attempts and events: every "the last be
 forward walk of a time-ordered list over the starts' (or the failures') times in order, two pointers that only move
 on (a start's first step is looked up among the lines of its iteration, a dict built in one pass). Both sides come in
 time order -- the ledger returns attempts and events by time, a node writes its lines and phases as its clock goes --
-and one linear pass checks that before the walk; a side that is not in order (a node's clock stepped back mid-soak,
-rows not written in time order) is sorted once instead, so such a soak costs O(n log n) with the same answers.
+and sorted() takes a list already in order in one pass; a side that is not in order (a node's clock stepped back
+mid-soak, rows not written in time order) is really sorted, so such a soak costs O(n log n) with the same answers.
 Nothing is ever quadratic. Caveat: the first-step lookup costs the lines of the start's iteration per start, a few
 for a real soak (the runs of one iteration that restarts redid), more only when many starts name one iteration that
 many lines hold.
@@ -30,10 +30,7 @@ many lines hold.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-import operator
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -139,7 +136,7 @@ def breakdown(started: float, ended: float, metrics: list[dict[str, Any]], phase
     firsts = _first_step_lines(lines, groups)
     steady = _median([float(m["step_time_s"]) for i, m in enumerate(lines) if keep[i] and i not in firsts]
                      or [float(m["step_time_s"]) for m in lines])
-    launches = _sorted_once([float(a["started"]) for a in attempts])[1:]  # the first start's launch: the soak's start
+    launches = sorted(float(a["started"]) for a in attempts)[1:]  # the first start's launch: the soak's start
     starts = _start_costs(groups, [started, *launches], steady)
     # a first step's cost above a steady step is start-up's, not the step's
     extra = {i: min(starts[g].parts.get("first_step_extra", 0.0), float(lines[i]["step_time_s"]))
@@ -204,32 +201,17 @@ def _first_step_lines(lines: list[dict[str, Any]], groups: list[dict[str, dict[s
     return found
 
 
-def _in_order(values: list[float]) -> bool:
-    """Whether `values` never goes down (one pass; a NaN anywhere but alone makes it False)."""
-    return all(map(operator.le, values, itertools.islice(values, 1, None)))
-
-
-def _sorted_once(values: list[float]) -> list[float]:
-    """`sorted(values)`: the list itself when a linear check finds it in order (what the ledger and a node's files
-    give), else sorted (the fallback for a clock that went back: O(n log n), the same result)."""
-    return values if _in_order(values) else sorted(values)
-
-
 def _ordered(*parts: list[float]) -> list[float]:
     """The values of all parts sorted (stable: equal values keep their order, part by part), NaN left out: a NaN
-    passes no comparison, so never a `max(x ... if x <= y)` or `next(x ... if x > y)`. Each part is checked (and
-    sorted only when out of order), then the parts are merged: linear for parts in time order."""
-    ordered = [_sorted_once([v for v in part if not math.isnan(v)]) for part in parts]
-    return ordered[0] if len(ordered) == 1 else list(heapq.merge(*ordered))
+    passes no comparison, so never a `max(x ... if x <= y)` or `next(x ... if x > y)`. Linear for parts in time
+    order: sorted() finds a run already in order in one pass (n - 1 comparisons) and merges the parts' runs."""
+    return sorted(v for part in parts for v in part if not math.isnan(v))
 
 
 def _walk_order(limits: list[float]) -> list[int]:
-    """The indices of `limits` (NaN ones left out: nothing compares to a NaN) in ascending order of the limit:
-    as given when a linear check finds them in order, else sorted once (a skewed clock; O(m log m))."""
-    kept = [i for i, limit in enumerate(limits) if not math.isnan(limit)]
-    if all(limits[a] <= limits[b] for a, b in itertools.pairwise(kept)):
-        return kept
-    return sorted(kept, key=limits.__getitem__)
+    """The indices of `limits` (NaN ones left out: nothing compares to a NaN) in ascending order of the limit (one
+    pass when they are in order already; a skewed clock's are sorted, O(m log m))."""
+    return sorted((i for i, limit in enumerate(limits) if not math.isnan(limit)), key=limits.__getitem__)
 
 
 def _last_at_most_each(ordered: list[float], limits: list[float]) -> list[float | None]:
