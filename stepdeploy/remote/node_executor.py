@@ -90,13 +90,21 @@ class NodeExecutor:
             results.append(answer)
         return results
 
-    def _heard(self, target: Target) -> Target:
+    def _heard(self, target: Target) -> None:
         self._silent_since.pop(target.name, None)
-        return target
 
     def _reachable(self, targets: list[Target] | None) -> list[Target]:
         """The targets a poll has not found silent since it last reached them."""
         return [t for t in (self.targets if targets is None else targets) if t.name not in self._silent_since]
+
+    def _each_reachable(self, work: Callable[[Target], T], failed: Callable[[Target, BaseException], T],
+                    silent: Callable[[Target, str], T], targets: list[Target] | None = None) -> list[T]:
+        """`_each` on the targets a poll has not found silent; a silent one is not tried and answers `silent(target,
+        why)`. Answers come in the targets' order."""
+        chosen = self.targets if targets is None else targets
+        tried = self._reachable(chosen)
+        answers = dict(zip((t.name for t in tried), self._each(work, failed, tried), strict=True))
+        return [answers[t.name] if t.name in answers else silent(t, self._silent(t)) for t in chosen]
 
     def _silent(self, target: Target) -> str:
         since = self._silent_since[target.name]
@@ -239,11 +247,9 @@ class NodeExecutor:
             res = self._sh(target, f"tail -n {int(tail)} -- {q(self.run_dir)}/{q(target.log)}")
             return [f"{target.name} | {line}" for line in res.stdout.splitlines()]
 
-        tried = self._reachable(None)
-        answers = self._each(one, lambda t, e: [f"{t.name} | (unreachable: {_error(e)})"], tried)
-        found = {t.name: lines for t, lines in zip(tried, answers, strict=True)}
-        return {t.name: found[t.name] if t.name in found else [f"{t.name} | ({self._silent(t)})"]
-                for t in self.targets}
+        answers = self._each_reachable(one, lambda t, e: [f"{t.name} | (unreachable: {_error(e)})"],
+                                   lambda t, why: [f"{t.name} | ({why})"])
+        return {t.name: lines for t, lines in zip(self.targets, answers, strict=True)}
 
     def follow(self, emit: Callable[[str], None], cursor: LogCursor) -> list[NodeResult]:
         """Emit every complete log line added since `cursor`, prefixed with the node's name; call repeatedly.
@@ -263,10 +269,8 @@ class NodeExecutor:
                 emit(f"{target.name} | {line}")
             return NodeResult(target.name, True)
 
-        tried = self._reachable(None)
-        answers = {r.node: r for r in self._each(
-            one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"), tried)}
-        return [answers.get(t.name) or NodeResult(t.name, False, self._silent(t)) for t in self.targets]
+        return self._each_reachable(one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"),
+                                lambda t, why: NodeResult(t.name, False, why))
 
     def stop(self, grace_s: float = 10.0, targets: list[Target] | None = None) -> list[StopResult]:
         def one(target: Target) -> StopResult:
@@ -322,11 +326,9 @@ class NodeExecutor:
             res = self._sh(target, f"cd -- {q(self.run_dir)} && {command}")
             return CommandResult(target.name, res.ok, res.rc, res.stdout, res.stderr)
 
-        chosen = self.targets if targets is None else targets
-        tried = self._reachable(chosen)
-        answers = {r.node: r for r in self._each(
-            one, lambda t, e: CommandResult(t.name, False, None, stderr=f"unreachable: {_error(e)}"), tried)}
-        return [answers.get(t.name) or CommandResult(t.name, False, None, stderr=self._silent(t)) for t in chosen]
+        return self._each_reachable(
+            one, lambda t, e: CommandResult(t.name, False, None, stderr=f"unreachable: {_error(e)}"),
+            lambda t, why: CommandResult(t.name, False, None, stderr=why), targets)
 
 
 def _pids(value: object) -> tuple[int, ...]:
