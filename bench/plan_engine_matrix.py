@@ -30,7 +30,6 @@ from stepdeploy.inventory import load_cluster
 from stepdeploy.plan.cluster import ClusterShape, cluster_shape, shape_from_cluster
 from stepdeploy.plan.layout import stage_layer_counts
 from stepdeploy.plan.search import search
-from stepdeploy.render.build import engine_layout
 from stepdeploy.render.options import RenderOptions
 from stepdeploy.render.workload import check_engine, workload_config
 
@@ -65,7 +64,6 @@ def engine_refusal(spec: ModelSpec, layout: Any, shape: ClusterShape) -> str | N
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layout = engine_layout(layout)
     try:
         check_engine("megatron", layout, spec, shape.gpus_per_node)
         cfg = workload_config(spec, layout, RenderOptions(run_id="matrix"), engine="megatron", world=shape.world,

@@ -49,13 +49,6 @@ def plan_hint(cluster: Cluster, spec: ModelSpec, seq: int, gbs: int, layout: Lay
     return shlex.join(words)
 
 
-def engine_layout(layout: Layout) -> Layout:
-    """The layout as the megatron engine runs it: as given (sequence parallelism wherever TP > 1 unless the layout
-    turns it off: megatron-core's own, with the engine's SP-aware norms). Its experts are grouped GEMMs where ETP
-    is 1 (layout.grouped_experts)."""
-    return layout
-
-
 def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, seq: int,
                   gbs: int) -> tuple[Layout, dict[str, Any]]:
     """The layout to render and what the planner said about it. CPU nodes: pure data parallel."""
@@ -67,7 +60,7 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
     params = count_parameters(spec)
     job = Job(spec, seq, gbs, shape.world)
     if given is not None:
-        verdict = judge(params, job, engine_layout(given), shape, hardware)
+        verdict = judge(params, job, given, shape, hardware)
         if verdict.violations:
             reasons = "; ".join(f"[{v.rule}] {v.reason}" for v in verdict.violations)
             raise BadInput(f"layout {given.short()} cannot run: {reasons}",
@@ -75,9 +68,8 @@ def choose_layout(cluster: Cluster, spec: ModelSpec, layout_text: str | None, se
     else:
         result = search(spec, shape, hardware, seq, gbs)
         # The planner offers only what the megatron engine runs (plan/engines.py); the filter stays as a guard.
-        runnable = [judge(params, job, engine_layout(v.layout), shape, hardware)
-                    for v in result.fitting if megatron_runs(v.layout, spec)]
-        runnable = sorted((v for v in runnable if v.fits), key=lambda v: -v.time.tokens_per_second)
+        # search() judged each layout as the engine runs it and sorted the fitting ones fastest first.
+        runnable = [v for v in result.fitting if megatron_runs(v.layout, spec)]
         if not runnable:
             raise StepdeployError(f"no layout of {spec.name} that the megatron engine runs fits on "
                                   f"{shape.describe()}", hint=plan_hint(cluster, spec, seq, gbs))

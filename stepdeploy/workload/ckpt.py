@@ -49,10 +49,12 @@ _ASIDE = re.compile(r"\.iter_(\d{7,})\.old-.*")  # a committed copy moved aside 
 _DOOMED = re.compile(r"\.iter_(\d{7,})\.del-.*|\.latest\.tmp-.*")
 
 
-def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+def atomic_write_text(path: Path, text: str, durable: bool = True, parents: bool = True) -> None:
     """Readers see the old text or the new, never a part. durable=False skips the fsync: for a file rewritten
-    every step (the heartbeat), where what matters is that the reader sees a whole file, not a power loss."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    every step (the heartbeat), where what matters is that the reader sees a whole file, not a power loss.
+    parents=False: a missing directory is an error (FileNotFoundError), not made."""
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as handle:
         handle.write(text)
@@ -62,8 +64,8 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def atomic_write_json(path: Path, data: Any, durable: bool = True) -> None:
-    atomic_write_text(path, json.dumps(data, sort_keys=True) + "\n", durable)
+def atomic_write_json(path: Path, data: Any, durable: bool = True, parents: bool = True) -> None:
+    atomic_write_text(path, json.dumps(data, sort_keys=True) + "\n", durable, parents)
 
 
 def iteration_name(iteration: int) -> str:
@@ -122,14 +124,9 @@ def staging_path(ckpt_dir: Path, iteration: int, token: str = "") -> Path:
 def seal(staging: Path, iteration: int) -> None:
     """Make the staged checkpoint durable, then mark it complete (the marker last, then the directory entry)."""
     _fsync_tree(staging)
-    # not atomic_write_json, which makes missing parents: a staging directory discarded meanwhile (a stop) must
-    # stay gone, not come back holding the marker alone
-    tmp = staging / f".{COMPLETE}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(json.dumps({"iteration": iteration, "sealed": time.time()}, sort_keys=True) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, staging / COMPLETE)
+    # parents=False: a staging directory discarded meanwhile (a stop) must stay gone, not come back holding the
+    # marker alone
+    atomic_write_json(staging / COMPLETE, {"iteration": iteration, "sealed": time.time()}, parents=False)
     _fsync_dir(staging)
 
 

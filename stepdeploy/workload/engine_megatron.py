@@ -32,14 +32,10 @@ import torch.distributed as dist
 import traces
 from megatron_model import (  # noqa: F401  (re-exported: the engine's model-building names, as before the split)
     build_model,
-    choose_experts,
     ddp_config_kwargs,
     keep_router_counts_fp32,
     known_config_kwargs,
-    layer_specs,
     load_balancing_kwargs,
-    model_specs,
-    moe_overlap_kwargs,
     parallel_sizes,
     router_bias_update,
     sdpa_core_attention,

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from megatron_state import (  # noqa: F401 (re-exported: the engine's and the tests' names)
     checkpoint_metadata,
-    distopt_sharding,
     host_copy_sizes,
     inner_optimizers,
     materialize_optimizer_state,

@@ -21,7 +21,7 @@ from stepdeploy.inventory import load_cluster
 from stepdeploy.plan import engines
 from stepdeploy.plan.layout import Layout
 from stepdeploy.render import RenderOptions, render_run
-from stepdeploy.render.build import build_run, engine_layout
+from stepdeploy.render.build import build_run
 from stepdeploy.stack import get_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,7 +200,7 @@ def test_every_layout_plan_lists_renders_and_can_run(inventory: str) -> None:
         for layout in layouts:
             opts = RenderOptions(run_id="prop")
             try:
-                rendered = render_run(cluster, spec, engine_layout(layout), opts, inputs={}, created="t",
+                rendered = render_run(cluster, spec, layout, opts, inputs={}, created="t",
                                       version="0", workload_sources={})
             except BadInput as exc:
                 refused.append(f"{model} {layout.short()}: {exc.message}")
