@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
+import ckpt_read
 import ckpt_room
 import megatron_writer
 import torch
@@ -350,14 +351,20 @@ def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[st
     clock.lap("optimizer_state")
     state = sharded_state(model, optimizer, is_loading=True, metadata=dict(metadata))
     clock.lap("state_dict")
-    loaded = dist_checkpointing.load(state, str(where))
+    reads = ckpt_read.ReadStats()
+    # the read straight from the files (ckpt_read.py); STEPDEPLOY_CKPT_FASTREAD=0: torch's reader for every item
+    direct = {"sharded_strategy": ckpt_read.load_strategy(reads)} if ckpt_read.enabled() else {}
+    loaded = dist_checkpointing.load(state, str(where), **direct)
     clock.lap("read")
+    clock.parts.update(reads.summary())
     model.module.load_state_dict(loaded["model"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     restore_adam_steps(optimizer, loaded["optimizer"])
     clock.lap("apply")
     log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, "
-              f"{metadata.get('distrib_optim_sharding_type', 'no distributed optimizer')})")
+              f"{metadata.get('distrib_optim_sharding_type', 'no distributed optimizer')}); read "
+              f"{reads.direct_bytes / 1e9:.2f} GB directly at {reads.summary()['read_gbps']} GB/s, "
+              f"{reads.other_tensors} tensors and {reads.objects} objects through torch's reader")
     return iteration
 
 

@@ -32,7 +32,13 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
     assert "complete" in result["checkpoint_files"] and "stepdeploy.json" in result["checkpoint_files"]
     # the resumed model was built without random initialization (the checkpoint's load fills every weight)
     assert result["initialization_skipped"] == [[2, True]]
-    assert set(result["load_parts"]) == {"find", "optimizer_state", "state_dict", "read", "apply"}
+    parts = result["load_parts"]
+    assert set(parts) == {"find", "optimizer_state", "state_dict", "read", "apply", "direct_gb", "direct_items",
+                          "other_tensors", "objects", "read_gbps"}
+    # the read straight from the files (ckpt_read.py) took every tensor: weights, fp32 master weights, Adam state;
+    # torch's reader only the pickled objects (the layers' extra state, the optimizer's parameter groups)
+    assert parts["direct_items"] >= result["params"] * 4 and parts["direct_gb"] > 0, parts
+    assert parts["other_tensors"] == 0 and parts["objects"] > 0, parts
     # retention 1: 2 stays until 4 is committed, then goes
     assert result["before_second_commit"] == ["iter_0000002", "latest"]
     assert result["after_second_commit"] == ["iter_0000004", "latest"] and result["latest"] == "4"
