@@ -9,7 +9,7 @@
 # the MoE proxy under megatron-core options (MOE_VARIANTS). Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout densekills densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -51,6 +51,15 @@ dense_soak=(-m proxy-0.7b-dense --stages "warmup,soak" --warmup-iterations 6 --s
             --checkpoint-interval 40 --inject kill:rank=last@65s)
 if [[ $steps == *" rollout "* ]]; then
 local_rollout local-dense 300 "${dense_soak[@]}"
+fi
+
+if [[ $steps == *" densekills "* ]]; then
+# issue 37: three kills in one dense soak (a checkpoint every 30 iterations), each restart part by part
+local_rollout local-densekills "${KILLS_TIMEOUT:-420}" -m proxy-0.7b-dense --stages "warmup,soak" \
+    --warmup-iterations 6 --soak-duration "${KILLS_SOAK:-200s}" --checkpoint-interval 30 \
+    --inject kill:rank=last@50s --inject kill:rank=last@105s --inject kill:rank=last@160s
+python3 bench/restart_times.py /tmp/local-densekills | tee "$keep/local-densekills-restarts.txt"
+grep -rh "resumed from" /tmp/local-densekills --include='*.log' | sort | uniq | tee -a "$keep/local-densekills-restarts.txt"
 fi
 
 if [[ $steps == *" densedata "* ]]; then
