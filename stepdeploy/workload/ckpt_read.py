@@ -329,11 +329,11 @@ def load_strategy(stats: ReadStats) -> Any:
     reader = reader_class()
 
     class DirectLoad(strategies.TorchDistLoadShardedStrategy):
-        def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        def load(self, *args: Any, **kwargs: Any) -> Any:  # (sharded_state_dict, checkpoint_dir[, 0.19's more])
             original = strategies._get_filesystem_reader
             strategies._get_filesystem_reader = lambda path, cache_metadata=False: reader(path, stats)
             try:
-                return super().load(sharded_state_dict, checkpoint_dir)
+                return super().load(*args, **kwargs)
             finally:
                 strategies._get_filesystem_reader = original
 
