@@ -331,7 +331,7 @@ def load_strategy(stats: ReadStats) -> Any:
     class DirectLoad(strategies.TorchDistLoadShardedStrategy):
         def load(self, *args: Any, **kwargs: Any) -> Any:  # (sharded_state_dict, checkpoint_dir[, 0.19's more])
             original = strategies._get_filesystem_reader
-            strategies._get_filesystem_reader = lambda path, cache_metadata=False: reader(path, stats)
+            strategies._get_filesystem_reader = lambda path, *_, **__: reader(path, stats)
             try:
                 return super().load(*args, **kwargs)
             finally:
