@@ -9,7 +9,7 @@
 # the MoE proxy under megatron-core options (MOE_VARIANTS). Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout densekills densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout densekills denseprofile densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -60,6 +60,17 @@ local_rollout local-densekills "${KILLS_TIMEOUT:-420}" -m proxy-0.7b-dense --sta
     --inject kill:rank=last@50s --inject kill:rank=last@105s --inject kill:rank=last@160s
 python3 bench/restart_times.py /tmp/local-densekills | tee "$keep/local-densekills-restarts.txt"
 grep -rh "resumed from" /tmp/local-densekills --include='*.log' | sort | uniq | tee -a "$keep/local-densekills-restarts.txt"
+fi
+
+if [[ $steps == *" denseprofile "* ]]; then
+# issue 37: where a dense restart's model build, read and first step go (cProfile of each start's build and read,
+# and of its first step), and each start's phases
+local_rollout local-denseprof 300 -m proxy-0.7b-dense --stages "warmup,soak" --warmup-iterations 6 \
+    --soak-duration 80s --checkpoint-interval 30 --inject kill:rank=last@45s \
+    --env STEPDEPLOY_PROFILE_START=1 --env STEPDEPLOY_PROFILE_FIRST=1 ${PROFILE_ENV:+--env "$PROFILE_ENV"}
+python3 bench/restart_times.py /tmp/local-denseprof | tee "$keep/local-denseprof-restarts.txt"
+find /tmp/local-denseprof -path '*soak*' \( -name 'start-rank*.json' -o -name 'first-step-rank*.json' \
+    -o -name phases.jsonl \) -exec cp --backup=numbered {} "$keep/" \;
 fi
 
 if [[ $steps == *" densedata "* ]]; then

@@ -34,7 +34,7 @@ import torch
 
 PIECE_BYTES = 64 << 20  # one page-locked buffer; a larger tensor is read in pieces
 SLOTS = 8  # page-locked buffers in the ring (512 MiB)
-THREADS = 8
+THREADS = int(os.environ.get("STEPDEPLOY_CKPT_READ_THREADS", "8"))  # readers at once
 
 # the storage classes torch.save names in its pickle, and their element types
 _STORAGES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16, "FloatStorage": torch.float32,
@@ -52,11 +52,14 @@ class ReadStats:
     other_tensors: int = 0  # tensor items through torch's reader (resharded, not recognised)
     objects: int = 0  # pickled objects (torch's reader)
     seconds: float = 0.0  # in read_data, both kinds
+    locate_s: float = 0.0  # of it, finding the items' bytes in their archives
+    copy_s: float = 0.0  # of it, the direct reads and copies
 
     def summary(self) -> dict[str, float]:
         gbps = self.direct_bytes / self.seconds / 1e9 if self.seconds else 0.0
         return {"direct_gb": round(self.direct_bytes / 1e9, 3), "direct_items": self.direct_items,
-                "other_tensors": self.other_tensors, "objects": self.objects, "read_gbps": round(gbps, 2)}
+                "other_tensors": self.other_tensors, "objects": self.objects, "read_gbps": round(gbps, 2),
+                "locate_s": round(self.locate_s, 3), "copy_s": round(self.copy_s, 3)}
 
 
 class Saved(NamedTuple):
@@ -284,7 +287,10 @@ def reader_class() -> type:
                     pieces.extend(_pieces(fd, saved, target))
                     direct.append((req, target))
                     self.stats.direct_bytes += saved.nbytes
+                located = time.perf_counter()
                 copy_pieces(pieces)
+                self.stats.locate_s += located - started
+                self.stats.copy_s += time.perf_counter() - located
                 for req, target in direct:
                     planner.commit_tensor(req, target)
             self.stats.direct_items += len(direct)

@@ -71,6 +71,12 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     from megatron.core import parallel_state as ps
 
     t = cfg["training"]
+    # STEPDEPLOY_PROFILE_START=1: this start's model build and checkpoint read under cProfile (traces.py)
+    profile = (traces.FirstStepProfile(out_dir, dist.get_rank(), 0, "start")
+               if os.environ.get("STEPDEPLOY_PROFILE_START") == "1" else None)
+    if profile is not None:
+        profile.start()
+    building = time.perf_counter()
     run = build(cfg, out_dir, files)
     ckpt_dir, load_parts = out_dir / "checkpoints", {}
     # the save's one-off set-up starts now, in the background, when this run saves at all: the writer processes it
@@ -80,6 +86,8 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     loading = time.time()
     start = megatron_ckpt.resume(run.model, run.optimizer, ckpt_dir, run.rank, load_parts, run.resume_from)
     files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
+    if profile is not None:
+        profile.stop(time.perf_counter() - building)
     for group in run.optimizer.param_groups:
         # as megatron's OptimizerParamScheduler: no decay for the groups it marks wd_mult 0 (norms, biases)
         group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
@@ -102,12 +110,14 @@ def build(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> Run:
     seq, mbs, gbs = t["seq_length"], t["micro_batch_size"], t["global_batch_size"]
     ps.initialize_model_parallel(**parallel_sizes(cfg))
     model_parallel_cuda_manual_seed(t["seed"])
+    files.phase("parallel_state")
     dp = ps.get_data_parallel_world_size()
     micro_batches = gbs // (mbs * dp)
     overrides = config_overrides(rank, "STEPDEPLOY_MCORE_OVERRIDES")
     config = TransformerConfig(**known_config_kwargs(transformer_config_kwargs(cfg) | overrides,
                                                      TransformerConfig.__dataclass_fields__, rank))
     resume_from = megatron_ckpt.skip_initialization(config, out_dir / "checkpoints", rank)
+    files.phase("found", iteration=resume_from)
     trace = traces.MemoryTrace(out_dir, rank)
     p = cfg["parallel"]
     ddp = ddp_config_kwargs(cfg) | config_overrides(rank, "STEPDEPLOY_DDP_OVERRIDES")

@@ -183,8 +183,10 @@ class FirstStepProfile:
     during the step (`compile_counters`: dynamo's counters that changed, e.g. inductor's fxgraph_cache_hit,
     aot_autograd's autograd_cache_miss)."""
 
-    def __init__(self, out_dir: Path, rank: int, iteration: int) -> None:
-        self.iteration, self.path = iteration, out_dir / f"first-step-rank{rank}-{iteration}.json"
+    def __init__(self, out_dir: Path, rank: int, iteration: int, name: str = "first-step") -> None:
+        """`name`: what is profiled (the file's name); `start` is a start's model build and checkpoint read
+        (STEPDEPLOY_PROFILE_START=1, engine_megatron.train), with `iteration` the one it resumes from."""
+        self.iteration, self.path = iteration, out_dir / f"{name}-rank{rank}-{iteration}.json"
         self.profiler = cProfile.Profile()
         self.counters_before: dict[str, dict[str, int]] = {}
 

@@ -34,7 +34,7 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
     assert result["initialization_skipped"] == [[2, True]]
     parts = result["load_parts"]
     assert set(parts) == {"find", "optimizer_state", "state_dict", "read", "apply", "direct_gb", "direct_items",
-                          "other_tensors", "objects", "read_gbps"}
+                          "other_tensors", "objects", "read_gbps", "locate_s", "copy_s"}
     # the read straight from the files (ckpt_read.py) took every tensor: weights, fp32 master weights, Adam state;
     # torch's reader only the pickled objects (the layers' extra state, the optimizer's parameter groups)
     assert parts["direct_items"] >= result["params"] * 4 and parts["direct_gb"] > 0, parts
