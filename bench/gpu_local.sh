@@ -9,7 +9,7 @@
 # the MoE proxy under megatron-core options (MOE_VARIANTS). Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout densekills denseprofile densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout densekills denseprofile slicekill densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -59,6 +59,7 @@ local_rollout local-densekills "${KILLS_TIMEOUT:-420}" -m proxy-0.7b-dense --sta
     --warmup-iterations 6 --soak-duration "${KILLS_SOAK:-200s}" --checkpoint-interval 30 \
     --inject kill:rank=last@50s --inject kill:rank=last@105s --inject kill:rank=last@160s
 python3 bench/restart_times.py /tmp/local-densekills | tee "$keep/local-densekills-restarts.txt"
+find /tmp/local-densekills -path '*soak*' -name phases.jsonl -exec cp --backup=numbered {} "$keep/" \;
 grep -rh "resumed from" /tmp/local-densekills --include='*.log' | sort | uniq | tee -a "$keep/local-densekills-restarts.txt"
 fi
 
@@ -71,6 +72,17 @@ local_rollout local-denseprof 300 -m proxy-0.7b-dense --stages "warmup,soak" --w
 python3 bench/restart_times.py /tmp/local-denseprof | tee "$keep/local-denseprof-restarts.txt"
 find /tmp/local-denseprof -path '*soak*' \( -name 'start-rank*.json' -o -name 'first-step-rank*.json' \
     -o -name phases.jsonl \) -exec cp --backup=numbered {} "$keep/" \;
+fi
+
+if [[ $steps == *" slicekill "* ]]; then
+# issue 37: a restart of the Step-3.5-Flash slice (a 48 GB checkpoint) on the synthetic stream: one save (at 50),
+# the kill after its commit, no second save before the soak ends (two such checkpoints and the writer's page-locked
+# copy do not fit this box's 128 GiB)
+local_rollout local-slicekill "${SLICEKILL_TIMEOUT:-330}" -m step-3.5-flash-slice-1gpu --stages "warmup,soak" \
+    --warmup-iterations 6 --soak-duration "${SLICEKILL_SOAK:-150s}" --checkpoint-interval 50 --keep-checkpoints 1 \
+    --inject "kill:rank=0@${SLICEKILL_AT:-115s}"
+python3 bench/restart_times.py /tmp/local-slicekill | tee "$keep/local-slicekill-restarts.txt"
+find /tmp/local-slicekill -path '*soak*' -name phases.jsonl -exec cp --backup=numbered {} "$keep/" \;
 fi
 
 if [[ $steps == *" densedata "* ]]; then

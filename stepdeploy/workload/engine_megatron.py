@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import compile_warm
 import data
 import megatron_ckpt
 import model_chunks
@@ -76,6 +77,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
                if os.environ.get("STEPDEPLOY_PROFILE_START") == "1" else None)
     if profile is not None:
         profile.start()
+    compile_warm.start(dist.get_rank(), torch.cuda.current_device())  # beside the build and the read
     building = time.perf_counter()
     run = build(cfg, out_dir, files)
     ckpt_dir, load_parts = out_dir / "checkpoints", {}
