@@ -9,7 +9,7 @@
 # the MoE proxy under megatron-core options (MOE_VARIANTS). Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout densekills denseprofile slicekill densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout densekills denseprofile slicekill moekill densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -59,7 +59,7 @@ local_rollout local-densekills "${KILLS_TIMEOUT:-420}" -m proxy-0.7b-dense --sta
     --warmup-iterations 6 --soak-duration "${KILLS_SOAK:-200s}" --checkpoint-interval 30 \
     --inject kill:rank=last@50s --inject kill:rank=last@105s --inject kill:rank=last@160s
 python3 bench/restart_times.py /tmp/local-densekills | tee "$keep/local-densekills-restarts.txt"
-find /tmp/local-densekills -path '*soak*' -name phases.jsonl -exec cp --backup=numbered {} "$keep/" \;
+find /tmp/local-densekills -path '*soak*' -name phases.jsonl -exec cp {} "$keep/local-densekills-phases.jsonl" \;
 grep -rh "resumed from" /tmp/local-densekills --include='*.log' | sort | uniq | tee -a "$keep/local-densekills-restarts.txt"
 fi
 
@@ -74,15 +74,18 @@ find /tmp/local-denseprof -path '*soak*' \( -name 'start-rank*.json' -o -name 'f
     -o -name phases.jsonl \) -exec cp --backup=numbered {} "$keep/" \;
 fi
 
-if [[ $steps == *" slicekill "* ]]; then
-# issue 37: a restart of the Step-3.5-Flash slice (a 48 GB checkpoint) on the synthetic stream: one save (at 50),
-# the kill after its commit, no second save before the soak ends (two such checkpoints and the writer's page-locked
-# copy do not fit this box's 128 GiB)
-local_rollout local-slicekill "${SLICEKILL_TIMEOUT:-330}" -m step-3.5-flash-slice-1gpu --stages "warmup,soak" \
-    --warmup-iterations 6 --soak-duration "${SLICEKILL_SOAK:-150s}" --checkpoint-interval 50 --keep-checkpoints 1 \
-    --inject "kill:rank=0@${SLICEKILL_AT:-115s}"
-python3 bench/restart_times.py /tmp/local-slicekill | tee "$keep/local-slicekill-restarts.txt"
-find /tmp/local-slicekill -path '*soak*' -name phases.jsonl -exec cp --backup=numbered {} "$keep/" \;
+if [[ $steps == *" slicekill "* || $steps == *" moekill "* ]]; then
+# issue 37: a restart of the Step-3.5-Flash slice (slicekill; a 48 GB checkpoint, an H200) or of the MoE proxy
+# (moekill; ~50 GB, fits an H100) on the synthetic stream: one save (at 50 or 30), the kill after its commit, no
+# second save before the soak ends (two such checkpoints and the writer's page-locked copy do not fit 128 GiB)
+if [[ $steps == *" slicekill "* ]]; then kill_model=step-3.5-flash-slice-1gpu kill_every=50 kill_at=115s
+else kill_model=proxy-0.7b-moe kill_every=30 kill_at=100s; fi
+kill_run=local-${kill_model%%-1gpu}
+local_rollout "$kill_run" "${KILL_TIMEOUT:-330}" -m "$kill_model" --stages "warmup,soak" --warmup-iterations 6 \
+    --soak-duration "${KILL_SOAK:-150s}" --checkpoint-interval "$kill_every" --keep-checkpoints 1 \
+    --inject "kill:rank=0@${KILL_AT:-$kill_at}"
+python3 bench/restart_times.py "/tmp/$kill_run" | tee "$keep/$kill_run-restarts.txt"
+find "/tmp/$kill_run" -path '*soak*' -name phases.jsonl -exec cp --backup=numbered {} "$keep/$kill_run-phases.jsonl" \;
 fi
 
 if [[ $steps == *" densedata "* ]]; then
