@@ -1,8 +1,10 @@
 """What a start's first step would compute before torch.compile can use its caches, computed in a thread while the
 model is built and the checkpoint read (issue 37 item 3): the hashes of torch's and triton's own sources that key
-the caches (measured on the H100: 0.57 s of a restart's first step, cProfile, call AY), and the start of the
-compile worker pool (0.2 s). Every step is best effort: these are torch's private functions, and a version
-without one loses only the head start. Standard library + torch only (shipped as a file).
+the caches (0.57 s of a restart's first step on the H100, cProfile, call AY). And a start that resumes loads its
+kernels in its own process (compile_in_process): they are in the node's compile cache, and inductor's pool of
+compile workers would only cost its start (0.2 s of the same first step; the pool is not ready in time to be used).
+Every step is best effort: these are torch's private functions, and a version without one loses only the head
+start. Standard library + torch only (shipped as a file).
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ from metrics import log
 
 
 def _steps() -> list[tuple[str, Callable[[], object]]]:
-    from torch._inductor import async_compile, codecache
+    from torch._inductor import codecache
 
-    return [("torch_key", codecache.torch_key), ("triton_key", codecache.CacheBase.get_system),
-            ("compile pool", async_compile.AsyncCompile.warm_pool), ("wakeup", async_compile.AsyncCompile.wakeup)]
+    return [("torch_key", codecache.torch_key), ("triton_key", codecache.CacheBase.get_system)]
 
 
 def start(rank: int, device: int | None) -> threading.Thread:
@@ -43,3 +44,13 @@ def start(rank: int, device: int | None) -> threading.Thread:
     thread = threading.Thread(target=run, name="compile-warm", daemon=True)
     thread.start()
     return thread
+
+
+def compile_in_process(rank: int) -> None:
+    """Kernels compiled (or loaded from the cache) in this process, without inductor's worker pool."""
+    try:
+        from torch._inductor import config
+
+        config.compile_threads = 1
+    except (ImportError, AttributeError) as exc:
+        log(rank, f"compile workers left as they are: {exc!r}")

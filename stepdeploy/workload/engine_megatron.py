@@ -80,6 +80,8 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     compile_warm.start(dist.get_rank(), torch.cuda.current_device())  # beside the build and the read
     building = time.perf_counter()
     run = build(cfg, out_dir, files)
+    if run.resume_from:  # a restart: every kernel is in the node's compile cache
+        compile_warm.compile_in_process(run.rank)
     ckpt_dir, load_parts = out_dir / "checkpoints", {}
     # the save's one-off set-up starts now, in the background, when this run saves at all: the writer processes it
     # spawns start while the checkpoint is read (the GPU idle), not beside the first step

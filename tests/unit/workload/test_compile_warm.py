@@ -38,3 +38,11 @@ def test_a_step_that_fails_is_logged_and_the_rest_still_run(monkeypatch: pytest.
     assert ran == ["x"]
     assert "[rank 3] compile caches: first not warmed ahead: RuntimeError('no such thing in this torch')" in (
         capsys.readouterr().out)
+
+
+def test_a_resuming_start_compiles_in_its_own_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor import config
+
+    monkeypatch.setattr(config, "compile_threads", 8)
+    compile_warm.compile_in_process(0)
+    assert config.compile_threads == 1
