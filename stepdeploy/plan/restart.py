@@ -14,11 +14,13 @@ time between saves,
     lost = delta / tau  (saves)  +  tau / (2 M)  (work redone since the last save)  +  R / M  (restarts)
     goodput = 1 - lost
 
-Measured parts (docs/benchmarks.md; issue 37's table): the dense proxy (0.74B, 9.6 GiB of state on one H200),
-kill to the first new step 22.7 s over SSH, of which the checkpoint read 6.9 s (~1.5 GB/s from /dev/shm: torch.load's
-per-item work); the slice (44.8 GiB) 55.0 s, read 29.6 s (~1.6 GB/s); call W's breakdown (detection 0.58 s with the
-local executor, stop and restart decided 1.45 s, launch 1.58 s, imports + process group 1.33 s, model build 2.97 s,
-first step 4.64-6.52 s against a steady 0.645 s).
+Measured parts (docs/benchmarks.md, "Issue 37: restart time"): the dense proxy (0.74B, 10.3 GB of state on one
+GPU) restarted by `rollout run --executor local` with the checkpoint read straight from its files (ckpt_read.py):
+kill to the first new step 12.26 s, the median of 3 kills on an H100 (call AZ: detection 0.59-0.69 s, stop and
+restart decided 1.76 s, launch 1.74 s, imports + process group 1.54 s, model build 3.62 s of which megatron-core's
+import ~2.4 s, the read 10.3 GB at 8.5-10.1 GB/s, the first step 1.0 s above a steady one); on the H200 the model
+build took 3.6 s for the dense proxy and 3.8 s for the 3.4B slice (calls AU-AV): with no random initialization it
+hardly grows with the parameters.
 """
 
 from __future__ import annotations
@@ -31,30 +33,33 @@ from stepdeploy.plan.memory import WEIGHT_BYTES
 
 GB = 1e9
 # Each part: (value, where it comes from). Seconds unless named otherwise.
-DETECTION_S = 2.3  # kill to the controller's `detected` over SSH (issue 37: ~2.3 s; 0.58 s with the local executor)
-STOP_S = 1.45  # stop the survivors, diagnose, decide the restart (call W)
-LAUNCH_S = 1.6  # the controller's launch to the rank's first line (call W 1.58 s; AA 1.61 s); nodes in parallel
-IMPORTS_S = 1.3  # torch + megatron imports and a one-rank process group (call W 1.33 s)
+DETECTION_S = 2.3  # kill to the controller's `detected` over SSH (issue 37: ~2.3 s; 0.6 s with the local executor)
+STOP_S = 1.76  # stop the survivors, diagnose, decide the restart (median of 7 kills, calls AX-AZ)
+LAUNCH_S = 1.8  # the controller's launch to the rank's first line (median of 7 kills, AX-AZ); nodes in parallel
+IMPORTS_S = 1.54  # torch's import and a one-rank process group (median of 7 kills, AX-AZ)
 # The process group's rendezvous grows with the ranks (every rank connects to the TCPStore and NCCL's bootstrap
 # ring exchanges addresses): assumed 1 ms per rank, i.e. ~8 s for 8,192 ranks. Not measured beyond one node.
 PROCESS_GROUP_S_PER_RANK = 1e-3
-BUILD_S_PER_PARAM = 2.97 / 738_248_704  # model build per parameter a GPU holds (call W: 2.97 s for the dense proxy)
-READ_BYTES_PER_S_PER_GPU = 1.5 * GB  # one rank's checkpoint read (issue 37: 9.6 GiB in 6.9 s, 44.8 GiB in 29.6 s)
+# model build: megatron-core's import and the build without random initialization, from two measured points on
+# the H200 (AU, AU-AV): 3.6 s for 0.74B parameters a GPU, 3.8 s for 3.4B
+BUILD_BASE_S = 3.55
+BUILD_S_PER_PARAM = 0.075e-9
+READ_BYTES_PER_S_PER_GPU = 8.8 * GB  # one rank's read straight from the files (AX-AZ: 10.3 GB at 8.5-10.1 GB/s)
 # A node's read from shared storage, shared by its ranks: assumed one 100 Gb/s storage link (12.5 GB/s), so 8 ranks
-# read at ~1.56 GB/s each, as fast as torch.load's per-rank rate above. Not measured on a multi-node cluster.
+# read at ~1.56 GB/s each. Not measured on a multi-node cluster.
 NODE_READ_BYTES_PER_S = 12.5 * GB
-FIRST_STEP_EXTRA_S = 4.0  # the first step above a steady one, compile cache warm (call AA: 4.64 s vs 0.645 s)
+FIRST_STEP_EXTRA_S = 1.0  # the first step above a steady one, compile cache warm (AZ: 1.43-1.73 s vs 0.653 s)
 
 ASSUMPTIONS = (
     f"detection {DETECTION_S} s over SSH, stop and restart decision {STOP_S} s, launch {LAUNCH_S} s (nodes "
     "launched in parallel): measured on one H200 (docs/benchmarks.md, issue 37)",
     f"imports {IMPORTS_S} s (measured) + process group {PROCESS_GROUP_S_PER_RANK * 1e3:g} ms per rank (assumed: "
     "TCPStore and NCCL bootstrap grow with the ranks; not measured beyond one node)",
-    f"model build {BUILD_S_PER_PARAM * 1e9:.2f} s per billion parameters a GPU holds (measured: 2.97 s for the "
-    "0.74B dense proxy)",
+    f"model build {BUILD_BASE_S} s + {BUILD_S_PER_PARAM * 1e9:.3f} s per billion parameters a GPU holds (measured: "
+    "3.6 s for the 0.74B dense proxy, 3.8 s for the 3.4B slice; megatron-core's import is most of it)",
     f"state restore: the weights and optimizer state a GPU holds (the planner's memory model) at min("
-    f"{READ_BYTES_PER_S_PER_GPU / GB:g} GB/s per rank (measured torch.load rate), {NODE_READ_BYTES_PER_S / GB:g} "
-    "GB/s per node / its GPUs (assumed storage link))",
+    f"{READ_BYTES_PER_S_PER_GPU / GB:g} GB/s per rank (measured, read straight from the files), "
+    f"{NODE_READ_BYTES_PER_S / GB:g} GB/s per node / its GPUs (assumed storage link))",
     f"first step: the planner's step + {FIRST_STEP_EXTRA_S} s (measured, compile cache warm)",
     f"failures: {LLAMA3_SOURCE}, per GPU, times the job's GPUs; every failure restarts the whole job",
     "checkpoint interval: Young/Daly from the planner's save stall (or as given); goodput = 1 - save stalls/tau - "
@@ -100,7 +105,7 @@ def restart_parts(gpus: int, gpus_per_node: int, params_per_gpu: float, state_by
         "stop": STOP_S,
         "launch": LAUNCH_S,
         "imports_and_process_group": IMPORTS_S + PROCESS_GROUP_S_PER_RANK * gpus,
-        "model_build": BUILD_S_PER_PARAM * params_per_gpu,
+        "model_build": BUILD_BASE_S + BUILD_S_PER_PARAM * params_per_gpu,
         "state_restore": state_bytes_per_gpu / read_rate,
         "first_step": step_s + FIRST_STEP_EXTRA_S,
     }
