@@ -1,5 +1,5 @@
 """Restart time and goodput on paper (issue 37 item 5): what one failure costs a job of a given size, from the parts
-measured on one H200, and what share of the time failures at Llama 3's rate leave for training. Pure: numbers in,
+measured on one GPU, and what share of the time failures at Llama 3's rate leave for training. Pure: numbers in,
 numbers out.
 
 A restart is the sum of its parts, each a measured constant or a measured rate times the job's size:
@@ -52,7 +52,8 @@ FIRST_STEP_EXTRA_S = 1.0  # the first step above a steady one, compile cache war
 
 ASSUMPTIONS = (
     f"detection {DETECTION_S} s over SSH, stop and restart decision {STOP_S} s, launch {LAUNCH_S} s (nodes "
-    "launched in parallel): measured on one H200 (docs/benchmarks.md, issue 37)",
+    "launched in parallel): measured on one GPU with the local executor (H100, calls AX-AZ; detection over SSH: "
+    "issue 37), docs/benchmarks.md",
     f"imports {IMPORTS_S} s (measured) + process group {PROCESS_GROUP_S_PER_RANK * 1e3:g} ms per rank (assumed: "
     "TCPStore and NCCL bootstrap grow with the ranks; not measured beyond one node)",
     f"model build {BUILD_BASE_S} s + {BUILD_S_PER_PARAM * 1e9:.3f} s per billion parameters a GPU holds (measured: "
