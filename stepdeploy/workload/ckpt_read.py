@@ -48,6 +48,7 @@ class ReadStats:
     """What one load read, and how: the restore's evidence (logged, and in the rank's `resumed` phase)."""
 
     direct_bytes: int = 0  # read straight from the files
+    host_bytes: int = 0  # of it, from the host copy (host_copy.py)
     direct_items: int = 0
     other_tensors: int = 0  # tensor items through torch's reader (resharded, not recognised)
     objects: int = 0  # pickled objects (torch's reader)
@@ -57,7 +58,8 @@ class ReadStats:
 
     def summary(self) -> dict[str, float]:
         gbps = self.direct_bytes / self.seconds / 1e9 if self.seconds else 0.0
-        return {"direct_gb": round(self.direct_bytes / 1e9, 3), "direct_items": self.direct_items,
+        return {"direct_gb": round(self.direct_bytes / 1e9, 3), "host_gb": round(self.host_bytes / 1e9, 3),
+                "direct_items": self.direct_items,
                 "other_tensors": self.other_tensors, "objects": self.objects, "read_gbps": round(gbps, 2),
                 "locate_s": round(self.locate_s, 3), "copy_s": round(self.copy_s, 3)}
 
@@ -269,9 +271,10 @@ def reader_class() -> type:
     from torch.distributed.checkpoint.planner import LoadItemType
 
     class DirectReader(CachedMetadataFileSystemReader):
-        def __init__(self, path: Any, stats: ReadStats) -> None:
+        def __init__(self, path: Any, stats: ReadStats, host: dict[str, Any] | None = None) -> None:
+            """`host`: {file name: its host copy}, files to read there instead (host_copy.usable)."""
             super().__init__(path)
-            self.stats = stats
+            self.stats, self.host = stats, host or {}
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             started = time.perf_counter()
@@ -287,6 +290,8 @@ def reader_class() -> type:
                     pieces.extend(_pieces(fd, saved, target))
                     direct.append((req, target))
                     self.stats.direct_bytes += saved.nbytes
+                    if self.storage_data[req.storage_index].relative_path in self.host:
+                        self.stats.host_bytes += saved.nbytes
                 located = time.perf_counter()
                 copy_pieces(pieces)
                 self.stats.locate_s += located - started
@@ -312,7 +317,8 @@ def reader_class() -> type:
             if getattr(info, "transform_descriptors", None) or any(req.storage_offsets):
                 return None
             if info.relative_path not in fds:
-                fd = os.open(str(self.fs.concat_path(self.path, info.relative_path)), os.O_RDONLY)
+                path = self.host.get(info.relative_path) or self.fs.concat_path(self.path, info.relative_path)
+                fd = os.open(str(path), os.O_RDONLY)
                 files.callback(os.close, fd)
                 fds[info.relative_path] = fd
             fd = fds[info.relative_path]
@@ -327,9 +333,10 @@ def reader_class() -> type:
     return DirectReader
 
 
-def load_strategy(stats: ReadStats) -> Any:
-    """megatron-core's torch_dist load strategy, reading through DirectReader: the strategy builds its reader with
-    a module-level function, which this swaps for the length of one load (and puts back, whatever happens)."""
+def load_strategy(stats: ReadStats, host: dict[str, Any] | None = None) -> Any:
+    """megatron-core's torch_dist load strategy, reading through DirectReader (`host`: files to read from the host
+    copy): the strategy builds its reader with a module-level function, which this swaps for the length of one load
+    (and puts back, whatever happens)."""
     from megatron.core.dist_checkpointing.strategies import torch as strategies
 
     reader = reader_class()
@@ -337,7 +344,7 @@ def load_strategy(stats: ReadStats) -> Any:
     class DirectLoad(strategies.TorchDistLoadShardedStrategy):
         def load(self, *args: Any, **kwargs: Any) -> Any:  # (sharded_state_dict, checkpoint_dir[, 0.19's more])
             original = strategies._get_filesystem_reader
-            strategies._get_filesystem_reader = lambda path, *_, **__: reader(path, stats)
+            strategies._get_filesystem_reader = lambda path, *_, **__: reader(path, stats, host)
             try:
                 return super().load(*args, **kwargs)
             finally:

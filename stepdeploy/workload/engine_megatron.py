@@ -25,6 +25,7 @@ from typing import Any
 
 import compile_warm
 import data
+import host_copy
 import megatron_ckpt
 import model_chunks
 import moe_stats
@@ -85,10 +86,11 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     ckpt_dir, load_parts = out_dir / "checkpoints", {}
     # the save's one-off set-up starts now, in the background, when this run saves at all: the writer processes it
     # spawns start while the checkpoint is read (the GPU idle), not beside the first step
+    host = host_copy.host_dir(cfg["run_id"], run.rank, ckpt_dir)  # None: not kept (the log says why)
     saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), run.rank,
-                                prepare=bool(t["save_interval"]))
+                                prepare=bool(t["save_interval"]), host=host_copy.Copier(host, run.rank))
     loading = time.time()
-    start = megatron_ckpt.resume(run.model, run.optimizer, ckpt_dir, run.rank, load_parts, run.resume_from)
+    start = megatron_ckpt.resume(run.model, run.optimizer, ckpt_dir, run.rank, load_parts, run.resume_from, host)
     files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
     if profile is not None:
         profile.stop(time.perf_counter() - building)

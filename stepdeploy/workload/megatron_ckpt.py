@@ -18,6 +18,7 @@ from typing import Any
 import ckpt
 import ckpt_read
 import ckpt_room
+import host_copy
 import megatron_writer
 import torch
 import torch.distributed as dist
@@ -55,8 +56,11 @@ class Saver:
     abort() ends it: a writer that dies before (killed, out of memory) ends the rank at once, with the cause in its
     log and status, instead of leaving it blocked in megatron-core's wait for the writer."""
 
-    def __init__(self, ckpt_dir: Path, files: Any, keep: int, rank: int, prepare: bool = True) -> None:
+    def __init__(self, ckpt_dir: Path, files: Any, keep: int, rank: int, prepare: bool = True,
+                 host: host_copy.Copier | None = None) -> None:
+        """`host`: makes the host copy of each committed checkpoint (host_copy.py); None: none."""
         self.ckpt_dir, self.files, self.keep, self.rank = ckpt_dir, files, keep, rank
+        self.host, self.host_pending = host, None
         self.asynchronous = os.environ.get("STEPDEPLOY_CKPT_ASYNC", "1") != "0"
         self.persistent = self.asynchronous and writer_kind() == "persistent"
         self.warming: float | None = None  # when the writer's host memory set-up was scheduled (persistent)
@@ -143,6 +147,7 @@ class Saver:
     def poll(self, blocking: bool = False) -> bool:
         """Every rank, after every step: commit the save in flight once every rank's write ended (one small
         all-reduce while one is in flight; blocking: wait for it). True when it committed one."""
+        self._copy_to_host()
         if self.pending is None and self.warming is None:
             return False
         polled = time.time()
@@ -174,9 +179,20 @@ class Saver:
                 self._disarm()  # the writer ends now because it is closed
                 self.queue.close()
             self.queue = None
+        self._copy_to_host()
+        if self.host is not None:
+            self.host.join()
         self.remover.drain()
         self._discard()
         self.reserve.release()
+
+    def _copy_to_host(self) -> None:
+        """Once the checkpoint the last save wrote is committed (rank 0 renames it in the same poll), its host copy."""
+        if self.host is not None and self.host_pending is not None:
+            committed = self.ckpt_dir / ckpt.iteration_name(self.host_pending)
+            if ckpt.is_complete(committed, self.host_pending):
+                self.host.copy(committed, self.host_pending)
+                self.host_pending = None
 
     def abort(self) -> None:
         """A stop or a failure: end the write in flight without committing it (what it left is not sealed).
@@ -275,7 +291,7 @@ class Saver:
         """`polled`: when the poll that found every write ended began (commit_s: the finalize and the commit,
         which the step loop waits for)."""
         self.pending = self.handing = None
-        iteration = pending["iteration"]
+        iteration = self.host_pending = pending["iteration"]
         if self.rank == 0:
             final = ckpt.commit(self.ckpt_dir, iteration, pending["staging"], keep=self.keep, remove=self.remover)
             self.size = ckpt_room.tree_bytes(final)
@@ -334,10 +350,11 @@ def initialization_skippable(config: Any) -> bool:
 
 
 def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[str, float] | None = None,
-           iteration: int | None = None) -> int:
+           iteration: int | None = None, host: Path | None = None) -> int:
     """Load the newest complete checkpoint (or `iteration`, find()'s answer): weights and optimizer state, or fail
     loudly (a resume that silently drops the optimizer state is not a resume). 0 for a fresh start. `parts`:
-    filled with the seconds each part of the load took (where a restart's time goes)."""
+    filled with the seconds each part of the load took (where a restart's time goes); `host`: this rank's host copy
+    directory (host_copy.py), read where it holds the same files."""
     from megatron.core import dist_checkpointing
 
     clock = _PartClock(parts if parts is not None else {})
@@ -352,8 +369,11 @@ def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[st
     state = sharded_state(model, optimizer, is_loading=True, metadata=dict(metadata))
     clock.lap("state_dict")
     reads = ckpt_read.ReadStats()
+    copies, found = host_copy.usable(host, where, iteration)
+    log(rank, f"checkpoint {iteration}: {found}")
     # the read straight from the files (ckpt_read.py); STEPDEPLOY_CKPT_FASTREAD=0: torch's reader for every item
-    direct = {"sharded_strategy": ckpt_read.load_strategy(reads)} if ckpt_read.enabled() else {}
+    # (and no host copy)
+    direct = {"sharded_strategy": ckpt_read.load_strategy(reads, copies)} if ckpt_read.enabled() else {}
     loaded = dist_checkpointing.load(state, str(where), **direct)
     clock.lap("read")
     clock.parts.update(reads.summary())
@@ -363,7 +383,8 @@ def resume(model: Any, optimizer: Any, ckpt_dir: Path, rank: int, parts: dict[st
     clock.lap("apply")
     log(rank, f"resumed from checkpoint {iteration} (weights and optimizer state, "
               f"{metadata.get('distrib_optim_sharding_type', 'no distributed optimizer')}); read "
-              f"{reads.direct_bytes / 1e9:.2f} GB directly at {reads.summary()['read_gbps']} GB/s, "
+              f"{reads.direct_bytes / 1e9:.2f} GB directly ({reads.host_bytes / 1e9:.2f} GB of it from the host "
+              f"copy, the rest from storage) at {reads.summary()['read_gbps']} GB/s, "
               f"{reads.other_tensors} tensors and {reads.objects} objects through torch's reader")
     return iteration
 

@@ -27,6 +27,7 @@ from megatron_cpu import free_port, megatron_on_cpu, one_step, token_batches
 def main(model_name: str, workdir: Path) -> None:
     megatron_on_cpu(0, 1, free_port())
     import engine_megatron as em
+    import host_copy
     import megatron_ckpt
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -83,7 +84,9 @@ def main(model_name: str, workdir: Path) -> None:
     ckpt_dir = workdir / "checkpoints"
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     files = RankFiles(workdir / "out", 0)
-    saver = megatron_ckpt.Saver(ckpt_dir, files, 2, 0)
+    host = workdir / "host"  # the host copy of each committed checkpoint (host_copy.py), as the engine keeps it
+    host.mkdir(exist_ok=True)
+    saver = megatron_ckpt.Saver(ckpt_dir, files, 2, 0, host=host_copy.Copier(host, 0))
     saver.save(model, optimizer, 2)  # asynchronous: a forked process writes while training goes on
     in_flight = saver.pending is not None and not (ckpt_dir / "iter_0000002").exists()
     saved_params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -126,6 +129,12 @@ def main(model_name: str, workdir: Path) -> None:
     saver.save(model, optimizer, 4)
     both_before_commit = sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("."))
     saver.finish(4)  # the end of training
+    at_4 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # a restart on the same node: checkpoint 4 read from its host copy, the same weights as from storage
+    model4, optimizer4 = build(11)
+    host_parts: dict[str, float] = {}
+    host_resumed = megatron_ckpt.resume(model4, optimizer4, ckpt_dir, 0, host_parts, 4, host)
+    host_params_differing = sum(not torch.equal(p, at_4[n]) for n, p in model4.named_parameters())
     print(json.dumps({
         "in_flight_after_save": in_flight, "phases": phases, "checkpoint_files": checkpoint_files,
         "load_parts": load_parts, "initialization_skipped": skipped, "before_second_commit": both_before_commit,
@@ -151,7 +160,9 @@ def main(model_name: str, workdir: Path) -> None:
                                               for n, p in model2.named_parameters()),
         "steps_saved": sorted({float(s["step"]) for s in saved_states}),
         "steps_resumed": sorted({float(s["step"]) for s in states}),
-        "latest": (ckpt_dir / "latest").read_text().strip()}))
+        "latest": (ckpt_dir / "latest").read_text().strip(),
+        "host_copies": sorted(p.name for p in host.iterdir()), "host_resumed": host_resumed,
+        "host_parts": host_parts, "host_params_differing": host_params_differing}))
 
 
 def counted(fn: Any, calls: list[int]) -> Any:

@@ -33,8 +33,14 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
     # the resumed model was built without random initialization (the checkpoint's load fills every weight)
     assert result["initialization_skipped"] == [[2, True]]
     parts = result["load_parts"]
-    assert set(parts) == {"find", "optimizer_state", "state_dict", "read", "apply", "direct_gb", "direct_items",
-                          "other_tensors", "objects", "read_gbps", "locate_s", "copy_s"}
+    assert set(parts) == {"find", "optimizer_state", "state_dict", "read", "apply", "direct_gb", "host_gb",
+                          "direct_items", "other_tensors", "objects", "read_gbps", "locate_s", "copy_s"}
+    assert parts["host_gb"] == 0  # resumed without a host copy: everything from storage
+    # the host copy (host_copy.py): the Saver copied each committed checkpoint, the older copy went with its
+    # checkpoint; a restore of 4 read every data file from it, and got the weights checkpoint 4 holds
+    assert result["host_copies"] == ["iter_0000004"] and result["host_resumed"] == 4
+    assert result["host_parts"]["host_gb"] == result["host_parts"]["direct_gb"] > 0, result["host_parts"]
+    assert result["host_params_differing"] == 0
     # the read straight from the files (ckpt_read.py) took every tensor: weights, fp32 master weights, Adam state;
     # torch's reader only the pickled objects (the layers' extra state, the optimizer's parameter groups)
     assert parts["direct_items"] >= result["params"] * 4 and parts["direct_gb"] > 0, parts
