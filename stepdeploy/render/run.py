@@ -33,11 +33,11 @@ from stepdeploy.render.workload import check_engine, choose_engine, workload_con
 from stepdeploy.render.workload_file import WORKLOAD_FILE
 
 DATASET_PATH = "data/corpus"  # where a run directory holds its prepared dataset (.bin, .idx)
-WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatron_ckpt.py", "megatron_writer.py",
-                    "model_chunks.py", "experts_grouped.py", "attention.py", "layers.py", "moe_stats.py",
-                    "schedule.py", "synthetic.py", "data.py", "indexed.py", "traces.py", "ckpt.py", "ckpt_read.py",
-                    "ckpt_room.py", "torch_ckpt.py", "compile_warm.py", "host_copy.py", "megatron_state.py",
-                    "megatron_model.py", "metrics.py")
+WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatron_ckpt.py", "megatron_resume.py",
+                    "megatron_writer.py", "model_chunks.py", "experts_grouped.py", "attention.py", "layers.py",
+                    "moe_stats.py", "schedule.py", "synthetic.py", "data.py", "indexed.py", "traces.py", "ckpt.py",
+                    "ckpt_read.py", "ckpt_room.py", "torch_ckpt.py", "compile_warm.py", "host_copy.py",
+                    "megatron_state.py", "megatron_model.py", "metrics.py")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 

@@ -27,6 +27,7 @@ import compile_warm
 import data
 import host_copy
 import megatron_ckpt
+import megatron_resume
 import model_chunks
 import moe_stats
 import torch
@@ -90,7 +91,7 @@ def train(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> int:
     saver = megatron_ckpt.Saver(ckpt_dir, files, t.get("keep_checkpoints", 2), run.rank,
                                 prepare=bool(t["save_interval"]), host=host_copy.Copier(host, run.rank))
     loading = time.time()
-    start = megatron_ckpt.resume(run.model, run.optimizer, ckpt_dir, run.rank, load_parts, run.resume_from, host)
+    start = megatron_resume.resume(run.model, run.optimizer, ckpt_dir, run.rank, load_parts, run.resume_from, host)
     files.phase("resumed", iteration=start, load_s=round(time.time() - loading, 3), load_parts=load_parts)
     if profile is not None:
         profile.stop(time.perf_counter() - building)
@@ -122,7 +123,7 @@ def build(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> Run:
     overrides = config_overrides(rank, "STEPDEPLOY_MCORE_OVERRIDES")
     config = TransformerConfig(**known_config_kwargs(transformer_config_kwargs(cfg) | overrides,
                                                      TransformerConfig.__dataclass_fields__, rank))
-    resume_from = megatron_ckpt.skip_initialization(config, out_dir / "checkpoints", rank)
+    resume_from = megatron_resume.skip_initialization(config, out_dir / "checkpoints", rank)
     files.phase("found", iteration=resume_from)
     trace = traces.MemoryTrace(out_dir, rank)
     p = cfg["parallel"]

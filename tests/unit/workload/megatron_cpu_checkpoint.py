@@ -29,6 +29,7 @@ def main(model_name: str, workdir: Path) -> None:
     import engine_megatron as em
     import host_copy
     import megatron_ckpt
+    import megatron_resume
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -54,7 +55,7 @@ def main(model_name: str, workdir: Path) -> None:
         torch.manual_seed(seed)
         config = TransformerConfig(**kwargs)
         if resuming_from is not None:  # as the engine: no random initialization when a checkpoint will be loaded
-            skipped.append((megatron_ckpt.skip_initialization(config, resuming_from, 0),
+            skipped.append((megatron_resume.skip_initialization(config, resuming_from, 0),
                             not config.perform_initialization))
         model = Float16Module(config, em.build_model(cfg, config))
         # the engine's DDP config (overlapped param gather), with buckets small enough that the model has several
@@ -103,7 +104,7 @@ def main(model_name: str, workdir: Path) -> None:
     model2, optimizer2 = build(7, ckpt_dir)
     differs_before = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
     load_parts: dict[str, float] = {}
-    resumed = megatron_ckpt.resume(model2, optimizer2, ckpt_dir, 0, load_parts, skipped[0][0])
+    resumed = megatron_resume.resume(model2, optimizer2, ckpt_dir, 0, load_parts, skipped[0][0])
     states = adam_states(optimizer2)
     main = main_params(optimizer2)
     params_differing = sum(not torch.equal(p, saved_params[n]) for n, p in model2.named_parameters())
@@ -133,7 +134,7 @@ def main(model_name: str, workdir: Path) -> None:
     # a restart on the same node: checkpoint 4 read from its host copy, the same weights as from storage
     model4, optimizer4 = build(11)
     host_parts: dict[str, float] = {}
-    host_resumed = megatron_ckpt.resume(model4, optimizer4, ckpt_dir, 0, host_parts, 4, host)
+    host_resumed = megatron_resume.resume(model4, optimizer4, ckpt_dir, 0, host_parts, 4, host)
     host_params_differing = sum(not torch.equal(p, at_4[n]) for n, p in model4.named_parameters())
     print(json.dumps({
         "in_flight_after_save": in_flight, "phases": phases, "checkpoint_files": checkpoint_files,

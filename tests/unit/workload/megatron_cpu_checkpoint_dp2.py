@@ -26,6 +26,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     megatron_on_cpu(rank, 2, port)
     import engine_megatron as em
     import megatron_ckpt
+    import megatron_resume
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from metrics import RankFiles
@@ -71,7 +72,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
 
     model2, optimizer2 = build(7)
     differing_before = sum(not torch.equal(p, saved[n]) for n, p in model2.named_parameters())
-    resumed = megatron_ckpt.resume(model2, optimizer2, ckpt_dir, rank)
+    resumed = megatron_resume.resume(model2, optimizer2, ckpt_dir, rank)
     result = {
         "rank": rank, "resumed": resumed, "committed_1": committed_1, "after_abort": after_abort,
         "latest_after_abort": latest_after_abort, "differing_before": differing_before,

@@ -26,6 +26,7 @@ CASES = {"offload": "mbs=2,offload=on,precision_aware_optimizer=on", "vpp": "pp=
 
 def resume_case(name: str, layout_text: str, workdir: Path) -> dict[str, Any]:
     import megatron_ckpt
+    import megatron_resume
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron_cpu_layouts import Layout
@@ -47,7 +48,7 @@ def resume_case(name: str, layout_text: str, workdir: Path) -> dict[str, Any]:
         continued_master = _master_weights(first.optimizer)
         second = Layout("tiny-dense", layout_text, gbs=4, seed=7)
         report["params_differing_before"] = _differing(second.model, continued)
-        report["resumed"] = megatron_ckpt.resume(second.model, second.optimizer, ckpt_dir, rank)
+        report["resumed"] = megatron_resume.resume(second.model, second.optimizer, ckpt_dir, rank)
         report["losses_resumed"] = [second.step() for _ in range(2)]
         report["params_differing_after"] = _differing(second.model, continued)
         report["params"] = len(continued)
