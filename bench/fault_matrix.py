@@ -71,7 +71,8 @@ def run_case(cfg: SimConfig, work: Path, name: str, spec: str, seconds: float,
             Rollout(run_dir, ledger, run_id, config, cluster=cluster, faults=sim_faults.for_cluster(cluster)).run()
         except StageFailed as exc:
             error = exc.message
-    return {**measure(cfg, ledger, run_id, run_dir, error), "poll": summary(polls)}
+    return {**measure(cfg, ledger, run_id, run_dir, error), "poll": summary(polls["poll"]),
+            "run_command": summary(polls["run_command"])}
 
 
 def measure(cfg: SimConfig, ledger: Ledger, run_id: str, run_dir: Path, error: str) -> dict[str, Any]:
@@ -172,10 +173,12 @@ def poll_lines(results: list[tuple[str, float, dict[str, Any]]], interval: float
     """One line per case: its polls' wall time and controller CPU; then the probe's CPU on each node."""
     lines = [f"poll interval: {'the executor default' if interval is None else f'{interval:g} s'}"]
     for name, _goal, r in results:
-        p = r["poll"]
-        lines.append(f"{name}: detection {r['detect_s']} s; {p['polls']} polls, wall median {p.get('wall_median_ms')} "
-                     f"ms, p90 {p.get('wall_p90_ms')} ms, max {p.get('wall_max_ms')} ms; controller CPU median "
-                     f"{p.get('cpu_median_ms')} ms a poll")
+        lines.append(f"{name}: detection {r['detect_s']} s")
+        for call in ("poll", "run_command"):
+            p = r[call]
+            lines.append(f"  {call}: {p['calls']} calls, wall median {p.get('wall_median_ms')} ms, p90 "
+                         f"{p.get('wall_p90_ms')} ms, max {p.get('wall_max_ms')} ms; controller CPU median "
+                         f"{p.get('cpu_median_ms')} ms a call")
     lines.append("probe CPU a poll (user+sys, 20 probes in a row): "
                  + ", ".join(f"{node} {ms} ms" for node, ms in probes.items()))
     return "\n".join(lines)
