@@ -2,7 +2,7 @@
 soak without faults. For each: the classification, detection time, restart time, iterations lost, whether
 the soak completed, stray processes afterwards and whether the ledger tells a consistent story.
 
-    python bench/fault_matrix.py [--only kill,hang] [--json]
+    python bench/fault_matrix.py [--only kill,hang] [--json] [--poll-interval SECONDS]
 
 Each case is a soak of the torch engine (tiny-dense, gloo, checkpoint every 3 iterations) driven by the
 rollout controller with one `--inject` fault. Detection time: the injection's ledger event to the
@@ -10,6 +10,11 @@ controller's `detected` event. Restart time: detection to the first metrics line
 Iterations lost: the iteration the failed attempt reached minus the checkpoint the restart resumed from.
 Goals (issue 8): crash <= 10 s, hang <= heartbeat timeout + 10 s, link-down <= process-group timeout + 10 s,
 iterations lost <= one checkpoint interval, zero stray processes, no false alarm without faults.
+
+--poll-interval sets RolloutConfig.poll_interval_s (default: the SSH executor's own, NodeExecutor.poll_interval_s):
+a crash is detected at the first poll after it, so the interval bounds a crash's detection. Every poll of a case
+is timed (bench/poll_cost.py: wall time, the controller's CPU) and printed under the table with the probe's own
+CPU on each node (issue 37: detection over SSH within 1 s).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from poll_cost import probe_cpu, summary, timed_polls  # bench/ is this script's directory: on sys.path
 
 from stepdeploy.inventory import load_cluster
 from stepdeploy.ledger import Ledger
@@ -43,7 +50,8 @@ CASES: list[tuple[str, str, float, float]] = [  # (name, spec, soak seconds, goa
 ]
 
 
-def run_case(cfg: SimConfig, work: Path, name: str, spec: str, seconds: float) -> dict[str, Any]:
+def run_case(cfg: SimConfig, work: Path, name: str, spec: str, seconds: float,
+             poll_interval_s: float | None = None) -> dict[str, Any]:
     from stepdeploy.rollout.runner import Rollout
 
     run_id = re.sub(r"[^a-z0-9]+", "-", name)
@@ -52,16 +60,19 @@ def run_case(cfg: SimConfig, work: Path, name: str, spec: str, seconds: float) -
     config = RolloutConfig(inventory=str(cfg.inventory), model="tiny-dense", stages=("soak",),
                            soak_duration_s=seconds, checkpoint_interval=CKPT_INTERVAL, pg_timeout_s=PG_TIMEOUT_S,
                            seq_length=64, global_batch_size=4, inject=(spec,) if spec else (),
-                           monitor_interval_s=2.0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, node_wait_s=120.0)
+                           monitor_interval_s=2.0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, node_wait_s=120.0,
+                           poll_interval_s=poll_interval_s)
     ledger = Ledger(run_dir / "ledger.sqlite")
     ledger.create_run(run_id, config.to_json(), list(config.stages))
     error = ""
-    try:
-        cluster = load_cluster(config.inventory)  # the simulated cluster's link-down and node-loss act from the host
-        Rollout(run_dir, ledger, run_id, config, cluster=cluster, faults=sim_faults.for_cluster(cluster)).run()
-    except StageFailed as exc:
-        error = exc.message
-    return measure(cfg, ledger, run_id, run_dir, error)
+    with timed_polls() as polls:
+        try:
+            cluster = load_cluster(config.inventory)  # the sim cluster's link-down and node-loss act from the host
+            Rollout(run_dir, ledger, run_id, config, cluster=cluster, faults=sim_faults.for_cluster(cluster)).run()
+        except StageFailed as exc:
+            error = exc.message
+    return {**measure(cfg, ledger, run_id, run_dir, error), "poll": summary(polls["poll"]),
+            "run_command": summary(polls["run_command"])}
 
 
 def measure(cfg: SimConfig, ledger: Ledger, run_id: str, run_dir: Path, error: str) -> dict[str, Any]:
@@ -115,11 +126,14 @@ def _resumed(run_dir: Path) -> list[int]:
     return [int(m) for m in re.findall(r"resumed from checkpoint (\d+)", text)]
 
 
+def _endpoint(cfg: SimConfig, i: int) -> Endpoint:
+    return Endpoint(host=cfg.address(i), key_file=cfg.client_key, known_hosts=cfg.known_hosts)
+
+
 def _strays(cfg: SimConfig, run_id: str) -> int:
     count = 0
     for i in (1, 2):
-        ep = Endpoint(host=cfg.address(i), key_file=cfg.client_key, known_hosts=cfg.known_hosts)
-        with connection(ep) as conn:
+        with connection(_endpoint(cfg, i)) as conn:
             res = conn.run(f"pgrep -af -- {run_id}-soak | grep -v pgrep || true", hide=True)
         count += len([line for line in res.stdout.splitlines() if line.strip()])
     return count
@@ -154,30 +168,51 @@ def table(results: list[tuple[str, float, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def poll_lines(results: list[tuple[str, float, dict[str, Any]]], interval: float | None,
+               probes: dict[str, float]) -> str:
+    """One line per case: its polls' wall time and controller CPU; then the probe's CPU on each node."""
+    lines = [f"poll interval: {'the executor default' if interval is None else f'{interval:g} s'}"]
+    for name, _goal, r in results:
+        lines.append(f"{name}: detection {r['detect_s']} s")
+        for call in ("poll", "run_command"):
+            p = r[call]
+            lines.append(f"  {call}: {p['calls']} calls, wall median {p.get('wall_median_ms')} ms, p90 "
+                         f"{p.get('wall_p90_ms')} ms, max {p.get('wall_max_ms')} ms; controller CPU median "
+                         f"{p.get('cpu_median_ms')} ms a call")
+    lines.append("probe CPU a poll (user+sys, 20 probes in a row): "
+                 + ", ".join(f"{node} {ms} ms" for node, ms in probes.items()))
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated fault kinds to run (kill,hang,link-down,...)")
     parser.add_argument("--json", action="store_true", help="also print one JSON line per case")
+    parser.add_argument("--poll-interval", type=float, default=None, metavar="SECONDS",
+                        help="RolloutConfig.poll_interval_s for every case (default: the SSH executor's own)")
     args = parser.parse_args()
     only = [k for k in args.only.split(",") if k]
     cases = [c for c in CASES if not only or c[0].split()[0] in only or (c[0] == "no fault" and "none" in only)]
     results = []
+    probes: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="sdfbench-") as tmp:
         cfg = SimConfig(name="sdfbench", subnet="10.88.0.0/24", http_port=8089, state_dir=Path(tmp) / "sim")
         up(cfg, 2)
         try:
             for name, spec, seconds, goal in cases:
                 t0 = time.monotonic()
-                result = run_case(cfg, Path(tmp) / "runs", name, spec, seconds)
+                result = run_case(cfg, Path(tmp) / "runs", name, spec, seconds, args.poll_interval)
                 result["wall_s"] = round(time.monotonic() - t0, 1)
                 results.append((name, goal, result))
                 if args.json:
                     print(json.dumps({"case": name, **result}), flush=True)
+            probes = {f"node{i}": probe_cpu(_endpoint(cfg, i)) for i in (1, 2)}
         finally:
             report = down(cfg)
             if report.leftovers:
                 print(f"sim down left: {report.leftovers}")
     print(table(results))
+    print(poll_lines(results, args.poll_interval, probes))
     return 0
 
 

@@ -51,7 +51,7 @@ class RolloutConfig:
     soak_max_restarts: int = 3
     attempt_timeout_s: float = 1800.0
     pg_timeout_s: int = 60
-    poll_interval_s: float | None = None  # None: the executor's own (local 0.5 s: a detection sooner; SSH/Slurm 2 s)
+    poll_interval_s: float | None = None  # None: the executor's own (local, SSH 0.5 s: detection <= 1 s; Slurm 2 s)
     seq_length: int | None = None
     global_batch_size: int | None = None
     executor: ExecutorKind | None = None  # None: remote/registry.py's default_kind

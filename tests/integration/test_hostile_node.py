@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from stepdeploy.ledger import Ledger
-from stepdeploy.remote.node_executor import POLL_DEADLINE_S
+from stepdeploy.remote.node_executor import POLL_DEADLINE_S, NodeExecutor
 from stepdeploy.remote.ssh import Endpoint
 from stepdeploy.remote.transport import SshChannel
 from stepdeploy.render.manifest import Manifest
@@ -37,7 +37,7 @@ from .conftest import private_cluster, processes_of, stepdeploy_cli, swapped_hos
 
 SMALL = ["-m", "tiny-dense", "--stages", "soak", "--seq", "64", "--gbs", "4", "--checkpoint-interval", "3"]
 FAST = [*SMALL, "--pg-timeout", "30"]
-POLL_INTERVAL_S = 2.0  # NodeExecutor.poll_interval_s: the follow loop's sleep between two polls over SSH
+POLL_INTERVAL_S = NodeExecutor.poll_interval_s  # the follow loop's sleep between two polls over SSH
 FINAL = ("passed", "failed", "stopped")
 NESTED = b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 BAD_METRICS = [b"[1]", b'{"iteration": NaN, "loss": 1.0}', b'{"iteration": Infinity, "loss": 1.0}',
