@@ -71,7 +71,7 @@ class FakeTarget:
 class FakeExecutor:
     """The executor protocol (FabricExecutor's methods) over a World (FakeNodes)."""
 
-    poll_interval_s = 2.0  # FabricExecutor's: the scripted timings are on the SSH executors' polls
+    poll_interval_s = 2.0  # the scripted timings were written for a 2 s poll (FabricExecutor's until issue 37)
 
     def __init__(self, nodes: World, targets: list[FakeTarget], spec: RunSpec) -> None:
         self.world, self.targets, self.spec = nodes, targets, spec
