@@ -33,7 +33,8 @@ from stepdeploy.plan.memory import WEIGHT_BYTES
 
 GB = 1e9
 # Each part: (value, where it comes from). Seconds unless named otherwise.
-DETECTION_S = 2.3  # kill to the controller's `detected` over SSH (issue 37: ~2.3 s; 0.6 s with the local executor)
+DETECTION_S = 0.7  # kill to the controller's `detected` over SSH polled every 0.5 s (2-node sim cluster,
+# bench/fault_matrix.py, 2026-12-06; 2.3 s at the former 2 s poll); 0.57-0.69 s with the local executor (AX-BA)
 STOP_S = 1.76  # stop the survivors, diagnose, decide the restart (median of 7 kills, calls AX-AZ)
 LAUNCH_S = 1.8  # the controller's launch to the rank's first line (median of 7 kills, AX-AZ); nodes in parallel
 IMPORTS_S = 1.54  # torch's import and a one-rank process group (median of 7 kills, AX-AZ)
@@ -52,8 +53,8 @@ FIRST_STEP_EXTRA_S = 1.0  # the first step above a steady one, compile cache war
 
 ASSUMPTIONS = (
     f"detection {DETECTION_S} s over SSH, stop and restart decision {STOP_S} s, launch {LAUNCH_S} s (nodes "
-    "launched in parallel): measured on one GPU with the local executor (H100, calls AX-AZ; detection over SSH: "
-    "issue 37), docs/benchmarks.md",
+    "launched in parallel): measured on one GPU with the local executor (H100, calls AX-BA; detection over SSH "
+    "on the simulated cluster), docs/benchmarks.md",
     f"imports {IMPORTS_S} s (measured) + process group {PROCESS_GROUP_S_PER_RANK * 1e3:g} ms per rank (assumed: "
     "TCPStore and NCCL bootstrap grow with the ranks; not measured beyond one node)",
     f"model build {BUILD_BASE_S} s + {BUILD_S_PER_PARAM * 1e9:.3f} s per billion parameters a GPU holds (measured: "
