@@ -11,6 +11,9 @@ each file's size and its storage copy's modification time. A restore uses a file
 is of the iteration it restores and the file's size equals the marker's and the storage file's, whose modification
 time is still the marker's (a checkpoint saved again under the same number is new files).
 
+The copy goes when the rank's training ends (Copier.discard); a run that ends in a failure it does not restart
+from leaves its last copy in memory until the node reboots (or `rm -rf /dev/shm/stepdeploy-<uid>/<run id>`).
+
 Skipped, and logged once: when the checkpoint directory is itself in memory (tmpfs: the storage is the host copy,
 as on the GPU box), when the node lacks the memory (MemAvailable below the copy plus 10 % of the node), with
 STEPDEPLOY_HOST_COPY=0. Standard library only (shipped as a file).
@@ -122,6 +125,12 @@ class Copier:
     def join(self, timeout: float | None = None) -> None:
         if self.thread is not None:
             self.thread.join(timeout)
+
+    def discard(self) -> None:
+        """The end of training: no restart will read the copy, so it gives the node its memory back."""
+        if self.where is not None:
+            self.join()
+            shutil.rmtree(self.where, ignore_errors=True)
 
     def _copy(self, committed: Path, iteration: int) -> None:
         assert self.where is not None

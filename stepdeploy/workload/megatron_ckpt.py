@@ -178,9 +178,8 @@ class Saver:
                 self._disarm()  # the writer ends now because it is closed
                 self.queue.close()
             self.queue = None
-        self._copy_to_host()
-        if self.host is not None:
-            self.host.join()
+        if self.host is not None:  # training ended: no restart will read the host copy
+            self.host.discard()
         self.remover.drain()
         self._discard()
         self.reserve.release()

@@ -129,13 +129,17 @@ def main(model_name: str, workdir: Path) -> None:
     saver.keep = 1
     saver.save(model, optimizer, 4)
     both_before_commit = sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("."))
-    saver.finish(4)  # the end of training
+    saver.poll(blocking=True)  # checkpoint 4 committed
+    saver.poll()  # the next step's poll starts its host copy
+    saver.host.join()
+    host_copies = sorted(p.name for p in host.iterdir())
     at_4 = {n: p.detach().clone() for n, p in model.named_parameters()}
     # a restart on the same node: checkpoint 4 read from its host copy, the same weights as from storage
     model4, optimizer4 = build(11)
     host_parts: dict[str, float] = {}
     host_resumed = megatron_resume.resume(model4, optimizer4, ckpt_dir, 0, host_parts, 4, host)
     host_params_differing = sum(not torch.equal(p, at_4[n]) for n, p in model4.named_parameters())
+    saver.finish(4)  # the end of training: the host copy goes
     print(json.dumps({
         "in_flight_after_save": in_flight, "phases": phases, "checkpoint_files": checkpoint_files,
         "load_parts": load_parts, "initialization_skipped": skipped, "before_second_commit": both_before_commit,
@@ -162,7 +166,7 @@ def main(model_name: str, workdir: Path) -> None:
         "steps_saved": sorted({float(s["step"]) for s in saved_states}),
         "steps_resumed": sorted({float(s["step"]) for s in states}),
         "latest": (ckpt_dir / "latest").read_text().strip(),
-        "host_copies": sorted(p.name for p in host.iterdir()), "host_resumed": host_resumed,
+        "host_copies": host_copies, "host_left_after_the_end": host.exists(), "host_resumed": host_resumed,
         "host_parts": host_parts, "host_params_differing": host_params_differing}))
 
 

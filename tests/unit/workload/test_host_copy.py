@@ -124,3 +124,10 @@ def test_no_copy_where_memory_is_short_and_an_older_copy_goes_once_a_new_one_is_
     copier.join()
     assert sorted(p.name for p in where.iterdir()) == ["iter_0000080"]
     assert host_copy.usable(where, committed, 40)[0] == {}
+
+
+def test_the_end_of_training_gives_the_memory_back(tmp_path: Path) -> None:
+    _, where = copied(tmp_path)
+    host_copy.Copier(where, 0).discard()
+    assert not where.exists()
+    host_copy.Copier(None, 0).discard()  # none kept: nothing to do

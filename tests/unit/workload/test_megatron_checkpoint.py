@@ -39,6 +39,7 @@ def test_resume_restores_the_state_and_continues_exactly_as_the_uninterrupted_ru
     # the host copy (host_copy.py): the Saver copied each committed checkpoint, the older copy went with its
     # checkpoint; a restore of 4 read every data file from it, and got the weights checkpoint 4 holds
     assert result["host_copies"] == ["iter_0000004"] and result["host_resumed"] == 4
+    assert result["host_left_after_the_end"] is False  # the end of training gives the memory back
     assert result["host_parts"]["host_gb"] == result["host_parts"]["direct_gb"] > 0, result["host_parts"]
     assert result["host_params_differing"] == 0
     # the read straight from the files (ckpt_read.py) took every tensor: weights, fp32 master weights, Adam state;
