@@ -263,6 +263,28 @@ def _through_pinned(pieces: list[_Piece], pool: ThreadPoolExecutor, device: torc
     stream.synchronize()
 
 
+def _direct(reader: Any, req: Any, planner: Any, fds: dict[str, int],
+            files: contextlib.ExitStack) -> tuple[Saved, torch.Tensor, int] | None:
+    """Where one tensor item of `reader`'s plan lies in its file and the tensor it fills, or None where the item is
+    not a whole plain tensor the target takes as it is (torch's reader then takes it)."""
+    info = reader.storage_data[req.storage_index]
+    if getattr(info, "transform_descriptors", None) or any(req.storage_offsets):
+        return None
+    if info.relative_path not in fds:
+        path = reader.host.get(info.relative_path) or reader.fs.concat_path(reader.path, info.relative_path)
+        fd = os.open(str(path), os.O_RDONLY)
+        files.callback(os.close, fd)
+        fds[info.relative_path] = fd
+    fd = fds[info.relative_path]
+    saved = locate(fd, info.offset, info.length)
+    if saved is None or tuple(req.lengths) != saved.shape:
+        return None
+    target = planner.resolve_tensor(req).detach()
+    if target.dtype != saved.dtype or tuple(target.shape) != saved.shape or not target.is_contiguous():
+        return None
+    return saved, target, fd
+
+
 def reader_class() -> type:
     """The reader: megatron-core's metadata-caching FileSystemReader with read_data's tensor items read directly."""
     from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
@@ -282,7 +304,7 @@ def reader_class() -> type:
                 fds: dict[str, int] = {}
                 pieces, direct, rest = [], [], []
                 for req in plan.items:
-                    found = self._direct(req, planner, fds, files) if req.type == LoadItemType.TENSOR else None
+                    found = _direct(self, req, planner, fds, files) if req.type == LoadItemType.TENSOR else None
                     if found is None:
                         rest.append(req)
                         continue
@@ -310,25 +332,6 @@ def reader_class() -> type:
                 result = Future()
                 result.set_result(None)
             return result
-
-        def _direct(self, req: Any, planner: Any, fds: dict[str, int],
-                    files: contextlib.ExitStack) -> tuple[Saved, torch.Tensor, int] | None:
-            info = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None) or any(req.storage_offsets):
-                return None
-            if info.relative_path not in fds:
-                path = self.host.get(info.relative_path) or self.fs.concat_path(self.path, info.relative_path)
-                fd = os.open(str(path), os.O_RDONLY)
-                files.callback(os.close, fd)
-                fds[info.relative_path] = fd
-            fd = fds[info.relative_path]
-            saved = locate(fd, info.offset, info.length)
-            if saved is None or tuple(req.lengths) != saved.shape:
-                return None
-            target = planner.resolve_tensor(req).detach()
-            if target.dtype != saved.dtype or tuple(target.shape) != saved.shape or not target.is_contiguous():
-                return None
-            return saved, target, fd
 
     return DirectReader
 
