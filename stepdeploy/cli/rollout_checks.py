@@ -101,11 +101,11 @@ def print_plan(config: RolloutConfig, cluster: Cluster) -> None:
     if config.extra_env:
         plan["env"] = dict(config.extra_env)  # every rank of every stage (env.sh)
     plan["commands"] = ("per node: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
-                        "(torchrun; see `stepdeploy render`)")
+                        "(the ranks' launcher; see `stepdeploy render`)")
     kind = registry.default_kind(cluster, config.executor)
     if kind == "local":
         plan["commands"] = ("on this machine, no SSH: setsid nohup bash <run>/nodes/<i>-<node>/launch.sh "
-                            "(torchrun; see `stepdeploy render`)")
+                            "(the ranks' launcher; see `stepdeploy render`)")
     if kind == "slurm":
         controller = cluster.slurm.controller or cluster.nodes[0].name
         plan["commands"] = (f"on {controller}: sbatch --parsable <run>/sbatch.sh (one srun task per "

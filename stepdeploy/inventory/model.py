@@ -59,7 +59,7 @@ class SlurmSettings(BaseModel):
 
     controller: str | None = None  # where sbatch/squeue/scancel run: a node's name or a host; None: the first node
     partition: str | None = None  # None: the cluster's default partition
-    tasks: SlurmTasks = "node"  # one task per node (running torchrun) or one task per GPU
+    tasks: SlurmTasks = "node"  # one task per node (running launch.sh) or one task per GPU
 
 
 class Cluster(BaseModel):

@@ -6,7 +6,7 @@ poll: the launch script's state (running / exited / not started), the run's live
       that are not UTF-8 replaced). The controller checks each of them (stepdeploy/noderecords.py, through
       poll_answer.py): what a rank wrote is judged there, so a broken file never breaks the probe.
 stop: SIGTERM to the launch script's process group and to every process carrying this run's
-      STEPDEPLOY_RUN_ID (torchrun's workers run in sessions of their own), wait up to GRACE seconds,
+      STEPDEPLOY_RUN_ID (the launcher's workers run in sessions of their own), wait up to GRACE seconds,
       SIGKILL what is left, then list what still exists (must be nothing).
 """
 
@@ -23,6 +23,7 @@ mode, run_dir, run_id, node_dir = ([*sys.argv[1:5], "", "", "", ""])[:4]
 tag = b"STEPDEPLOY_RUN_ID=" + run_id.encode() + b"\0"
 MAX_BYTES = 65536  # read of one status, heartbeat, pid or exit code file (one byte more says "longer")
 MAX_RANK_FILES = 4096
+STOP_CHECK_S = 0.05  # a stop looks for what is left this often (one /proc scan, milliseconds): a restart waits on it
 STATUS_NAME = re.compile(r"rank(\d{1,7})\.json")
 
 
@@ -133,7 +134,7 @@ def stop(grace):
     signalled += signal_all(signal.SIGTERM, ours())
     deadline = time.monotonic() + grace
     while ours() and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(STOP_CHECK_S)
     killed = signal_all(signal.SIGKILL, ours())
     deadline = time.monotonic() + 5
     while ours() and time.monotonic() < deadline:

@@ -77,6 +77,13 @@ class RenderOptions:
     warmup_iterations: int | None = None  # None: a tenth of the iterations
     decay_iterations: int | None = None  # the cosine decay's end (None: the iterations)
 
+    @property
+    def launcher(self) -> str:
+        """Who starts a node's ranks: `ranks` (workload/launch_ranks.py: torchrun's static rendezvous without its
+        torch import, about a second of every start and restart) or torchrun, kept for what only it does (a c10d
+        rendezvous, restarting its own workers)."""
+        return "ranks" if self.rendezvous == "static" and self.max_restarts == 0 else "torchrun"
+
     def __post_init__(self) -> None:
         if not RUN_ID.fullmatch(self.run_id):
             raise BadInput(f"run id {self.run_id!r} must be 1-64 letters, digits, '.', '_' or '-', "

@@ -37,7 +37,7 @@ WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatr
                     "megatron_writer.py", "model_chunks.py", "experts_grouped.py", "attention.py", "layers.py",
                     "moe_stats.py", "schedule.py", "synthetic.py", "data.py", "indexed.py", "traces.py", "ckpt.py",
                     "ckpt_read.py", "ckpt_room.py", "torch_ckpt.py", "compile_warm.py", "host_copy.py",
-                    "megatron_state.py", "megatron_model.py", "metrics.py")
+                    "megatron_state.py", "megatron_model.py", "metrics.py", "launch_ranks.py")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -131,7 +131,7 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
     common = {"version": version, "run_id": opts.run_id, "run_dir": opts.run_dir, "nnodes": len(cluster.nodes),
               "nproc_per_node": nproc, "python": opts.python, "rendezvous": opts.rendezvous,
               "master_addr": cluster.nodes[0].address, "master_port": opts.master_port,
-              "max_restarts": opts.max_restarts}
+              "max_restarts": opts.max_restarts, "launcher": opts.launcher}
     node_files, notes = _node_files(placements, common, layout, opts, facts)
     files += node_files
     kind = sbatch.executor_kind(cluster, opts)

@@ -6,7 +6,7 @@ The wall is the soak stage's first start to its end (or now). It splits into:
   start resumed from a checkpoint before it), a start's first step counted at a steady step at most;
 - start-up, per start of the workload: from its launch (the attempt's start in the ledger; the soak's own start
   for the first, so rendering counts) to its first step's start, split by out/phases.jsonl into launch (render,
-  SSH, torchrun, interpreter), imports + process group, model build (+ optimizer), checkpoint load, data set-up,
+  SSH, the launcher, interpreter), imports + process group, model build (+ optimizer), checkpoint load, data set-up,
   plus the first step's cost above a steady step;
 - checkpoint stalls: every save's blocking time (`save` phase: time - began);
 - failures, per `detected` event: detection (the failure -- the last step, phase or injection of the attempt

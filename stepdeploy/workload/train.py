@@ -1,4 +1,5 @@
-"""The training workload started by torchrun on every rank: `train.py --config workload.json --out-dir DIR`.
+"""The training workload, started on every rank by launch_ranks.py (or torchrun):
+`train.py --config workload.json --out-dir DIR`.
 
 Two engines, one protocol: `torch` (CPU, gloo, DDP; the simulated cluster and CI) and `megatron` (GPU,
 megatron-core). Both write the same JSON-lines metrics, heartbeat and status files (metrics.py) and the same
@@ -38,14 +39,14 @@ class Stopped(Exception):
 
 
 def _on_term(signum: int, _frame: object) -> None:
-    # A stop brings up to three SIGTERMs (the controller's, torchrun's, the parent-death one): later ones must
+    # A stop brings up to three SIGTERMs (the controller's, the launcher's, the parent-death one): later ones must
     # not interrupt the first one's exit record (the rank would then read as killed, not stopped).
     signal.signal(signum, signal.SIG_IGN)
     raise Stopped(f"signal {signal.Signals(signum).name}")
 
 
 def die_with_parent() -> None:
-    """torchrun starts workers in sessions of their own; if the agent dies, its workers must not live on."""
+    """The launcher starts workers in sessions of their own; if it dies, its workers must not live on."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 

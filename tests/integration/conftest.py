@@ -151,7 +151,7 @@ def stepdeploy_cli(*args: str, cwd: Path, timeout: float = 900) -> subprocess.Co
 
 
 def processes_of(cfg: SimConfig, run_id: str) -> dict[str, str]:
-    """Processes on each node of a 2-node cluster whose command line names the run (workload, torchrun,
+    """Processes on each node of a 2-node cluster whose command line names the run (workload, launcher,
     launch.sh): empty strings when nothing of the run is left."""
     from stepdeploy.remote.ssh import connection
 

@@ -54,7 +54,7 @@ def wait(executor: FabricExecutor, until, timeout: float, cursor: LogCursor | No
 
 
 def no_run_processes(executor: FabricExecutor) -> None:
-    """Independent of the stop probe: nothing on any node runs the workload or torchrun of this run."""
+    """Independent of the stop probe: nothing on any node runs the workload or the launcher of this run."""
     for result in executor.run_command(f"grep -l STEPDEPLOY_RUN_ID={executor.run_id} /proc/[0-9]*/environ "
                                        "2>/dev/null | grep -v self || true"):
         assert result.ok and result.stdout.strip() == "", f"{result.node}: {result.stdout}"
@@ -128,7 +128,7 @@ def test_killed_rank_is_named_and_its_peer_exits_within_the_timeout(sdrun: SimCo
         assert rank0.code == 3 and "collective failed" in rank0.reason, rank0
         causes = survivor.culprits()
         assert causes[0].startswith("node node2 rank 1: died without exiting"), causes
-        stops = executor.stop(grace_s=5)  # node2's torchrun agent may wait on the dead rank's store: killed
+        stops = executor.stop(grace_s=5)  # node2's launcher stops its ranks at once; the stop proves nothing is left
         assert all(s.ok for s in stops), stops
         no_run_processes(executor)
 

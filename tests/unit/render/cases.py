@@ -52,7 +52,7 @@ def case_spark_roce() -> RenderedRun:
 
 
 def case_slurm_sim_cpu() -> RenderedRun:
-    """The slurm executor on the simulated cluster: one task per node running its launch.sh (torchrun)."""
+    """The slurm executor on the simulated cluster: one task per node running its launch.sh (the ranks' launcher)."""
     slurm = Cluster(source=Path("golden.ini"), nodes=cpu_nodes(), executor="slurm")
     opts = RenderOptions(run_id="golden-slurm-cpu", stage="soak", iterations=20, seq_length=64, global_batch_size=8,
                          save_interval=5)

@@ -69,7 +69,8 @@ def test_hostile_values_arrive_as_inert_data(tmp_path: Path) -> None:
     assert seen["env"]["NCCL_SOCKET_IFNAME"] == nodes[0].train_iface
     assert seen["env"]["NCCL_IB_HCA"] == "=" + nodes[0].ib_hcas[0]
     assert seen["env"]["STEPDEPLOY_RUN_DIR"] == str(run_dir)
-    assert seen["argv"][:2] == ["-m", "torch.distributed.run"]
+    assert seen["argv"][:2] == ["-I", f"{run_dir}/workload/launch_ranks.py"]
+    assert seen["argv"][-6] == "--"
     assert seen["argv"][-5:] == [f"{run_dir}/workload/train.py", "--config", f"{run_dir}/workload.json",
                                  "--out-dir", f"{run_dir}/out"]
     assert (run_dir / place.node_dir / "exit_code").read_text() == "0\n"

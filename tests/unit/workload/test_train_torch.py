@@ -256,7 +256,7 @@ def test_sigterm_stops_the_rank_with_143(tmp_path: Path) -> None:
 
 
 def test_after_the_first_sigterm_later_ones_are_ignored() -> None:
-    """A stop sends up to three SIGTERMs (controller, torchrun, parent death); a later one arriving while the
+    """A stop sends up to three SIGTERMs (controller, launcher, parent death); a later one arriving while the
     rank writes its exit record would cut it short and the rank would read as killed, not stopped (seen in the
     simulated cluster's detach-and-stop test)."""
     import train

@@ -3,7 +3,7 @@
 # Run "golden-slurm-cpu", stage "soak": 2 node(s) as one Slurm job, 1 task(s) per node.
 # The controller submits it with `sbatch --parsable` on the Slurm controller host. As the batch script
 # it starts the tasks with srun; as a task (`sbatch.sh task`, on every node) it runs that node's part,
-# the node's rendered launch.sh (torchrun; the same script the SSH executor starts).
+# the node's rendered launch.sh (the same script the SSH executor starts).
 #SBATCH --job-name=sd-soak-golden-slurm-cpu
 #SBATCH --nodes=2
 #SBATCH --nodelist=node1,node2

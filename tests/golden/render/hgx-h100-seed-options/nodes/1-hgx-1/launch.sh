@@ -2,7 +2,8 @@
 # Rendered by stepdeploy 0.0.0-golden from templates/launch.sh.j2 -- do not edit; render again.
 # Node "hgx-1" (node rank 1 of 2), run "golden-hgx".
 # The controller starts this detached (setsid nohup), so this script leads its own session and
-# process group; it records its PID, runs torchrun, and records torchrun's exit code atomically.
+# process group; it records its PID, runs the launcher (stepdeploy's, or torchrun for a c10d rendezvous or
+# torchrun's own restarts), and records the launcher's exit code atomically.
 set -uo pipefail
 
 run_dir=/var/lib/stepdeploy/runs/golden-hgx
@@ -34,7 +35,7 @@ workload=(
 set +e
 "${launcher[@]}" "${workload[@]}" &
 child=$!
-# Forward a stop to torchrun, which stops its workers (they run in sessions of their own).
+# Forward a stop to the launcher, which stops its workers (they run in sessions of their own).
 trap 'kill -TERM "$child" 2>/dev/null' TERM INT HUP
 wait "$child"
 rc=$?

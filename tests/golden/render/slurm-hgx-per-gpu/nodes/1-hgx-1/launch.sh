@@ -2,7 +2,8 @@
 # Rendered by stepdeploy 0.0.0-golden from templates/launch.sh.j2 -- do not edit; render again.
 # Node "hgx-1" (node rank 1 of 2), run "golden-slurm-hgx".
 # The controller starts this detached (setsid nohup), so this script leads its own session and
-# process group; it records its PID, runs torchrun, and records torchrun's exit code atomically.
+# process group; it records its PID, runs the launcher (stepdeploy's, or torchrun for a c10d rendezvous or
+# torchrun's own restarts), and records the launcher's exit code atomically.
 set -uo pipefail
 
 run_dir=/var/lib/stepdeploy/runs/golden-slurm-hgx
@@ -15,15 +16,15 @@ printf '%s\n' "$$" > "$node_dir/launch.pid"
 # shellcheck source=/dev/null
 . "$node_dir/env.sh"
 
+# stepdeploy's launcher (workload/launch_ranks.py): torchrun's static rendezvous without torchrun's torch import.
 launcher=(
-  /opt/stepdeploy/venv/bin/python -m torch.distributed.run
+  /opt/stepdeploy/venv/bin/python -I "$run_dir/workload/launch_ranks.py"
   --nnodes=2
   --nproc-per-node=8
   --node-rank=1
   --master-addr=192.0.2.31
   --master-port=29500
-  --max-restarts=0
-  --monitor-interval=1
+  --
 )
 workload=(
   "$run_dir/workload/train.py"
@@ -34,7 +35,7 @@ workload=(
 set +e
 "${launcher[@]}" "${workload[@]}" &
 child=$!
-# Forward a stop to torchrun, which stops its workers (they run in sessions of their own).
+# Forward a stop to the launcher, which stops its workers (they run in sessions of their own).
 trap 'kill -TERM "$child" 2>/dev/null' TERM INT HUP
 wait "$child"
 rc=$?
