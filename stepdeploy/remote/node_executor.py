@@ -3,7 +3,8 @@
 every answer per node, every command under its own deadline and every call under one for all nodes.
 
 prepare  uploads the run directory as one tarball, unpacks it beside the target, checks every file's sha256
-         and renames it into place: a node has the whole run directory or none of it.
+         and renames it into place: a node has the whole run directory or none of it; a node whose run directory
+         holds the same rendering already (a soak's restart) gets nothing (remote/upload.py).
 start    `setsid nohup` the node's launch.sh: it leads a session and process group of its own, writes its
          pid file, and outlives the channel's session and the controller. If a node cannot be started, the
          nodes that did start are stopped (never left running alone).
@@ -20,9 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import io
 import shlex
-import tarfile
 import time
 from collections.abc import Callable, Iterable
 from importlib import resources
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from stepdeploy import noderecords
-from stepdeploy.remote import poll_answer, safe_extract
+from stepdeploy.remote import poll_answer, safe_extract, upload
 from stepdeploy.remote.executor import (
     UNREACHABLE,
     CommandResult,
@@ -137,59 +136,38 @@ class NodeExecutor:
                 f"{t.node_dir}/launch.sh" for t in self.targets]
 
     def prepare(self, local_run: Path) -> list[NodeResult]:
-        payload = _tarball(local_run)
-        digest = hashlib.sha256(payload).hexdigest()[:16]
+        """Every node answers first (its host key verified, its shell running), saying whether its run directory
+        holds this rendering already (a restart's case: remote/upload.py); a node that does not answer leaves every
+        node as it was. The others get the upload."""
+        digest = upload.manifest_digest(local_run)
+
+        def check(target: Target) -> NodeResult:
+            return upload.check(lambda command: self._sh(target, command), target.name, self.run_dir, digest)
+
+        answers = self._each(check, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
+        bad = [a for a in answers if not a.ok]
+        if bad:
+            names = ", ".join(a.node for a in bad)
+            return [a if not a.ok else NodeResult(a.node, False, f"nothing written: {names} could not be reached")
+                    for a in answers]
+        missing = [t for t, a in zip(self.targets, answers, strict=True) if a.detail != upload.THERE]
+        if not missing:
+            return answers
+        payload = upload.tarball(local_run)
+        tag = hashlib.sha256(payload).hexdigest()[:16]
+
         def work(target: Target) -> NodeResult:
-            return self._upload(target, payload, digest)
+            return upload.upload(lambda command: self._sh(target, command), target, self.run_dir, payload, tag)
 
         def failed(target: Target, exc: BaseException) -> NodeResult:
             return NodeResult(target.name, False, f"unreachable: {_error(exc)}")
 
-        if not self.one_machine:
-            refused = self._reach_every_node()
-            return refused if refused else self._each(work, failed)
-        # every node is this machine, in one run directory: one upload at a time (the later ones find it there)
-        return [result for target in self.targets for result in self._each(work, failed, [target])]
-
-    def _reach_every_node(self) -> list[NodeResult]:
-        """Every node answers (its host key verified, its shell running) before anything is written on any: a node
-        whose key contradicts known_hosts, or that does not answer, leaves every node as it was. [] when all do."""
-        def work(target: Target) -> NodeResult:
-            ran = self._sh(target, "true")
-            return NodeResult(target.name, ran.ok, "" if ran.ok else f"exited {ran.rc}: {ran.stderr.strip()[:200]}")
-
-        answers = self._each(work, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
-        bad = [a for a in answers if not a.ok]
-        if not bad:
-            return []
-        names = ", ".join(a.node for a in bad)
-        return [a if not a.ok else NodeResult(a.node, False, f"nothing written: {names} could not be reached")
-                for a in answers]
-
-    def _upload(self, target: Target, payload: bytes, digest: str) -> NodeResult:
-        run_dir, parent = self.run_dir, str(Path(self.run_dir).parent)
-        staging, tarball = f"{run_dir}.staging-{digest}", f"{run_dir}.upload-{digest}.tar.gz"
-        # The names below are predictable: only a parent no other user can write keeps them ours (a shared
-        # /tmp would let anyone plant a link the upload follows, or files torchrun imports as root). -H: a parent
-        # that is a link (/var/lib/stepdeploy/runs -> /dev/shm/...) is judged by the directory it names.
-        shared = f"find -H {q(parent)} -maxdepth 0 -perm -0002"
-        made = self._sh(target, f"mkdir -p -- {q(parent)} && test -z \"$({shared})\"")
-        if not made.ok:
-            return NodeResult(target.name, False, f"{parent} is missing or writable by every user; render with a "
-                                                  "--remote-dir only root can write (default /var/lib/stepdeploy/runs)")
-        target.channel.put(payload, tarball)
-        run, stage = q(run_dir), q(staging)
-        script = (
-            f"set -e; rm -rf -- {stage}; mkdir -p -- {stage}; tar -xzf {q(tarball)} -C {stage}; "
-            f"rm -f -- {q(tarball)}; (cd -- {stage} && sha256sum --quiet -c .sha256sums); "
-            f"if [ -e {run} ]; then same=0; cmp -s {run}/manifest.json {stage}/manifest.json || same=17; "
-            f"rm -rf -- {stage}; exit $same; fi; "
-            f"mv -T -- {stage} {run}"
-        )
-        res = self._sh(target, script)
-        if res.rc == 17:
-            return NodeResult(target.name, False, f"{run_dir} already holds another rendering; use a new run id")
-        return NodeResult(target.name, res.ok, "uploaded" if res.ok else res.stderr.strip()[-500:])
+        if self.one_machine:  # every node is this machine, in one run directory: one upload at a time
+            done = [result for target in missing for result in self._each(work, failed, [target])]
+        else:
+            done = self._each(work, failed, missing)
+        uploaded = {r.node: r for r in done}
+        return [uploaded.get(a.node, a) for a in answers]
 
     def start(self) -> list[NodeResult]:
         results = self._each(self._start_one, lambda t, e: NodeResult(t.name, False, f"unreachable: {_error(e)}"))
@@ -350,22 +328,6 @@ def _log_lines(cursor: LogCursor, node: str, chunk: bytes) -> list[str]:
         rest = rest[MAX_LOG_LINE_BYTES:]
     cursor.pending[node] = rest
     return [line.decode("utf-8", "replace") for line in lines]
-
-
-def _tarball(local_run: Path) -> bytes:
-    """The run directory as a .tar.gz, with .sha256sums of every file for the node to check."""
-    sums, buffer = [], io.BytesIO()
-    files = sorted(p for p in local_run.rglob("*") if p.is_file())
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for path in files:
-            rel = path.relative_to(local_run).as_posix()
-            sums.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {rel}")
-            archive.add(path, rel)
-        data = ("\n".join(sums) + "\n").encode()
-        info = tarfile.TarInfo(".sha256sums")
-        info.size, info.mode = len(data), 0o644
-        archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
 
 
 def targets_from(manifest: Manifest, channels: dict[str, Channel]) -> list[Target]:
