@@ -8,6 +8,9 @@ Each case is a soak of the torch engine (tiny-dense, gloo, checkpoint every 3 it
 rollout controller with one `--inject` fault. Detection time: the injection's ledger event to the
 controller's `detected` event. Restart time: detection to the first metrics line written after the restart.
 Iterations lost: the iteration the failed attempt reached minus the checkpoint the restart resumed from.
+With --json, a kill's case also carries `kill_parts`: bench/restart_times.py's parts of the kill to the end of the
+first new step (detection, stop, restart, launch, imports + process group, model build, checkpoint load, set-up,
+first step), read from the case's ledger.
 Goals (issue 8): crash <= 10 s, hang <= heartbeat timeout + 10 s, link-down <= process-group timeout + 10 s,
 iterations lost <= one checkpoint interval, zero stray processes, no false alarm without faults.
 
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from poll_cost import probe_cpu, summary, timed_polls  # bench/ is this script's directory: on sys.path
+from restart_times import restarts as restart_parts
 
 from stepdeploy.inventory import load_cluster
 from stepdeploy.ledger import Ledger
@@ -71,8 +75,9 @@ def run_case(cfg: SimConfig, work: Path, name: str, spec: str, seconds: float,
             Rollout(run_dir, ledger, run_id, config, cluster=cluster, faults=sim_faults.for_cluster(cluster)).run()
         except StageFailed as exc:
             error = exc.message
+    parts = restart_parts(run_dir) if spec.startswith("kill") else []  # the kill to the first new step, by part
     return {**measure(cfg, ledger, run_id, run_dir, error), "poll": summary(polls["poll"]),
-            "run_command": summary(polls["run_command"])}
+            "run_command": summary(polls["run_command"]), "kill_parts": parts}
 
 
 def measure(cfg: SimConfig, ledger: Ledger, run_id: str, run_dir: Path, error: str) -> dict[str, Any]:
