@@ -186,7 +186,7 @@ class NodeExecutor:
         launch = (f"cd -- {run} && mkdir -p logs && rm -f -- {node_dir}/launch.pid {node_dir}/exit_code || exit 1; "
                   f"setsid nohup env STEPDEPLOY_RUN_ID={q(self.run_id)} bash {node_dir}/launch.sh "
                   f">> {q(target.log)} 2>&1 < /dev/null & "
-                  f"for _ in $(seq 50); do [ -s {run}/{node_dir}/launch.pid ] && break; sleep 0.1; done; "
+                  f"for _ in $(seq 250); do [ -s {run}/{node_dir}/launch.pid ] && break; sleep 0.02; done; "
                   f"cat {run}/{node_dir}/launch.pid")
         res = self._sh(target, launch)
         pid = res.stdout.strip()
