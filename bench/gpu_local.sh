@@ -80,6 +80,7 @@ if [[ $steps == *" slicekill "* || $steps == *" moekill "* ]]; then
 # second save before the soak ends (two such checkpoints and the writer's page-locked copy do not fit 128 GiB)
 if [[ $steps == *" slicekill "* ]]; then kill_model=step-3.5-flash-slice-1gpu kill_every=50 kill_at=115s
 else kill_model=proxy-0.7b-moe kill_every=30 kill_at=100s; fi
+kill_every=${KILL_EVERY:-$kill_every}
 kill_run=local-${kill_model%%-1gpu}
 local_rollout "$kill_run" "${KILL_TIMEOUT:-330}" -m "$kill_model" --stages "warmup,soak" --warmup-iterations 6 \
     --soak-duration "${KILL_SOAK:-150s}" --checkpoint-interval "$kill_every" --keep-checkpoints 1 \

@@ -15,12 +15,13 @@ time between saves,
     goodput = 1 - lost
 
 Measured parts (docs/benchmarks.md, "Issue 37: restart time"): the dense proxy (0.74B, 10.3 GB of state on one
-GPU) restarted by `rollout run --executor local` with the checkpoint read straight from its files (ckpt_read.py):
-kill to the first new step 12.26 s, the median of 3 kills on an H100 (call AZ: detection 0.59-0.69 s, stop and
-restart decided 1.76 s, launch 1.74 s, imports + process group 1.54 s, model build 3.62 s of which megatron-core's
-import ~2.4 s, the read 10.3 GB at 8.5-10.1 GB/s, the first step 1.0 s above a steady one); on the H200 the model
-build took 3.6 s for the dense proxy and 3.8 s for the 3.4B slice (calls AU-AV): with no random initialization it
-hardly grows with the parameters.
+GPU) and the MoE proxy (3.5B, 49.8 GB) restarted by `rollout run --executor local` on an H100, the ranks started by
+stepdeploy's launcher (launch_ranks.py) and the checkpoint read straight from its files (ckpt_read.py): kill to the
+first new step 7.26 s for the dense proxy, the median of 3 kills (call BB: detection 0.56 s, stop and restart
+decided 0.18 s, launch 0.11 s, imports + process group 1.32 s, model build 2.70 s of which megatron-core's import
+~2.3 s, the read 10.3 GB at 12.1-12.6 GB/s, the first step 0.65-0.78 s above a steady one), 12.46 s for the MoE
+proxy's one kill (call BC: model build 2.76 s, the read 49.8 GB at 19.2 GB/s, the first step 1.17 s above a
+steady one): with no random initialization the build hardly grows with the parameters.
 """
 
 from __future__ import annotations
@@ -35,30 +36,31 @@ GB = 1e9
 # Each part: (value, where it comes from). Seconds unless named otherwise.
 DETECTION_S = 0.7  # kill to the controller's `detected` over SSH polled every 0.5 s (2-node sim cluster,
 # bench/fault_matrix.py, 2026-12-06; 2.3 s at the former 2 s poll); 0.57-0.69 s with the local executor (AX-BA)
-STOP_S = 1.76  # stop the survivors, diagnose, decide the restart (median of 7 kills, calls AX-AZ)
-LAUNCH_S = 1.8  # the controller's launch to the rank's first line (median of 7 kills, AX-AZ); nodes in parallel
-IMPORTS_S = 1.54  # torch's import and a one-rank process group (median of 7 kills, AX-AZ)
+STOP_S = 0.2  # stop the survivors, diagnose, decide the restart (median of 4 kills, calls BB-BC: 0.18-0.73 s)
+LAUNCH_S = 0.11  # the controller's launch to the rank's first line (4 kills, BB-BC: 0.11-0.12 s); nodes in parallel
+IMPORTS_S = 1.32  # torch's import and a one-rank process group (median of 4 kills, BB-BC: 1.30-3.32 s)
 # The process group's rendezvous grows with the ranks (every rank connects to the TCPStore and NCCL's bootstrap
 # ring exchanges addresses): assumed 1 ms per rank, i.e. ~8 s for 8,192 ranks. Not measured beyond one node.
 PROCESS_GROUP_S_PER_RANK = 1e-3
-# model build: megatron-core's import and the build without random initialization, from two measured points on
-# the H200 (AU, AU-AV): 3.6 s for 0.74B parameters a GPU, 3.8 s for 3.4B
-BUILD_BASE_S = 3.55
-BUILD_S_PER_PARAM = 0.075e-9
-READ_BYTES_PER_S_PER_GPU = 8.8 * GB  # one rank's read straight from the files (AX-AZ: 10.3 GB at 8.5-10.1 GB/s)
+# model build: megatron-core's import and the build without random initialization, from two models on the H100:
+# 2.70 s for 0.74B parameters a GPU (the median of 3, BB), 2.76 s for 3.5B (BC)
+BUILD_BASE_S = 2.68
+BUILD_S_PER_PARAM = 0.021e-9
+# one rank's read straight from the files: 10.3 GB at 12.1-12.6 GB/s (BB), 49.8 GB at 19.2 GB/s (BC): the lower
+READ_BYTES_PER_S_PER_GPU = 12.2 * GB
 # A node's read from shared storage, shared by its ranks: assumed one 100 Gb/s storage link (12.5 GB/s), so 8 ranks
 # read at ~1.56 GB/s each. Not measured on a multi-node cluster.
 NODE_READ_BYTES_PER_S = 12.5 * GB
-FIRST_STEP_EXTRA_S = 1.0  # the first step above a steady one, compile cache warm (AZ: 1.43-1.73 s vs 0.653 s)
+FIRST_STEP_EXTRA_S = 1.0  # the first step above a steady one, compile cache warm (BB-BC: 0.65-1.17 s)
 
 ASSUMPTIONS = (
     f"detection {DETECTION_S} s over SSH, stop and restart decision {STOP_S} s, launch {LAUNCH_S} s (nodes "
-    "launched in parallel): measured on one GPU with the local executor (H100, calls AX-BA; detection over SSH "
+    "launched in parallel): measured on one GPU with the local executor (H100, calls BB-BC; detection over SSH "
     "on the simulated cluster), docs/benchmarks.md",
     f"imports {IMPORTS_S} s (measured) + process group {PROCESS_GROUP_S_PER_RANK * 1e3:g} ms per rank (assumed: "
     "TCPStore and NCCL bootstrap grow with the ranks; not measured beyond one node)",
     f"model build {BUILD_BASE_S} s + {BUILD_S_PER_PARAM * 1e9:.3f} s per billion parameters a GPU holds (measured: "
-    "3.6 s for the 0.74B dense proxy, 3.8 s for the 3.4B slice; megatron-core's import is most of it)",
+    "2.70 s for the 0.74B dense proxy, 2.76 s for the 3.5B MoE proxy; megatron-core's import is most of it)",
     f"state restore: the weights and optimizer state a GPU holds (the planner's memory model) at min("
     f"{READ_BYTES_PER_S_PER_GPU / GB:g} GB/s per rank (measured, read straight from the files), "
     f"{NODE_READ_BYTES_PER_S / GB:g} GB/s per node / its GPUs (assumed storage link))",

@@ -20,16 +20,16 @@ def test_one_gpu_restart_by_hand() -> None:
     # the dense proxy on one GPU, its step 0.645 s, a 12.9 s save
     got = restart.estimate(1, 1, DENSE_PARAMS, DENSE_STATE, 0.645, 12.9)
     by_hand = {
-        "detection": 0.7, "stop": 1.76, "launch": 1.8,
-        "imports_and_process_group": 1.54 + 0.001 * 1,
-        "model_build": 3.55 + 0.075 * DENSE_PARAMS / 1e9,  # 3.61 s: the measured builds were 3.6 s (AU, AZ)
-        "state_restore": DENSE_STATE / 8.8e9,  # 1.17 s: the measured loads were 1.2-1.35 s
+        "detection": 0.7, "stop": 0.2, "launch": 0.11,
+        "imports_and_process_group": 1.32 + 0.001 * 1,
+        "model_build": 2.68 + 0.021 * DENSE_PARAMS / 1e9,  # 2.70 s: the measured builds were 2.66-2.72 s (BB)
+        "state_restore": DENSE_STATE / 12.2e9,  # 0.85 s: the measured loads were 0.91-0.95 s (BB)
         "first_step": 0.645 + 1.0,
     }
     assert got.parts == pytest.approx(by_hand)
     assert got.restart_s == pytest.approx(sum(by_hand.values()))
-    # measured with the local executor (detection ~0.6 s): 12.26 s, the median of 3 kills (call AZ)
-    assert got.restart_s - 0.7 + 0.6 == pytest.approx(12.26, rel=0.05)
+    # measured with the local executor (detection 0.56 s): 7.26 s, the median of 3 kills (call BB, an H100)
+    assert got.restart_s - 0.7 + 0.56 == pytest.approx(7.26, rel=0.05)
     mtbf = 54 * 86400 * 16384 / 419
     assert got.mtbf_s == pytest.approx(mtbf)
     young = math.sqrt(2 * 12.9 * mtbf)
@@ -43,8 +43,8 @@ def test_one_gpu_restart_by_hand() -> None:
 
 def test_node_read_is_shared_by_its_gpus() -> None:
     parts = restart.restart_parts(64, 8, 1e9, 25e9, 1.0)
-    assert parts["state_restore"] == pytest.approx(25e9 / min(8.8e9, 12.5e9 / 8))
-    assert parts["imports_and_process_group"] == pytest.approx(1.54 + 0.064)
+    assert parts["state_restore"] == pytest.approx(25e9 / min(12.2e9, 12.5e9 / 8))
+    assert parts["imports_and_process_group"] == pytest.approx(1.32 + 0.064)
 
 
 def test_given_interval_and_mtbf_are_used() -> None:
