@@ -77,14 +77,17 @@ fi
 if [[ $steps == *" slicekill "* || $steps == *" moekill "* ]]; then
 # issue 37: a restart of the Step-3.5-Flash slice (slicekill; a 48 GB checkpoint, an H200) or of the MoE proxy
 # (moekill; ~50 GB, fits an H100) on the synthetic stream: one save (at 50 or 30), the kill after its commit, no
-# second save before the soak ends (two such checkpoints and the writer's page-locked copy do not fit 128 GiB)
+# second save before the soak ends (two such checkpoints and the writer's page-locked copy do not fit 128 GiB).
+# KILL_AT may name several times ("150s 205s 268s"): each restart resumes from that one save, so each kill must
+# come at a later iteration than the one before (the soak stops after 2 restarts in a row without progress)
 if [[ $steps == *" slicekill "* ]]; then kill_model=step-3.5-flash-slice-1gpu kill_every=50 kill_at=115s
 else kill_model=proxy-0.7b-moe kill_every=30 kill_at=100s; fi
 kill_every=${KILL_EVERY:-$kill_every}
 kill_run=local-${kill_model%%-1gpu}
+kills=()
+for at in ${KILL_AT:-$kill_at}; do kills+=(--inject "kill:rank=0@$at"); done
 local_rollout "$kill_run" "${KILL_TIMEOUT:-330}" -m "$kill_model" --stages "warmup,soak" --warmup-iterations 6 \
-    --soak-duration "${KILL_SOAK:-150s}" --checkpoint-interval "$kill_every" --keep-checkpoints 1 \
-    --inject "kill:rank=0@${KILL_AT:-$kill_at}"
+    --soak-duration "${KILL_SOAK:-150s}" --checkpoint-interval "$kill_every" --keep-checkpoints 1 "${kills[@]}"
 python3 bench/restart_times.py "/tmp/$kill_run" | tee "$keep/$kill_run-restarts.txt"
 find "/tmp/$kill_run" -path '*soak*' -name phases.jsonl -exec cp --backup=numbered {} "$keep/$kill_run-phases.jsonl" \;
 fi
