@@ -6,7 +6,9 @@ judged by the soak's own training gates. The iterations, not the step time, size
 slow machine; the seeds stand for whatever else differs. More seeds: `pytest -m bench` (docs/benchmarks.md).
 
 Before the fix the demo failed its soak's loss_spikes gate at iteration 51 on every machine (10.7 against a
-median of 2.9): the torch engine read the byte-level corpus in order and met a box-drawing diagram whole."""
+median of 2.9): the torch engine read the byte-level corpus in order and met a box-drawing diagram whole. Later
+(2026-12-06) a session's new tables of figures in docs/benchmarks-log.md gave a spike at iteration 54 on the demo's
+seed (7.97 against 6.33): the demo reads the docs but the measurement logs (demo.DEMO_SKIPPED)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _option(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def docs_corpus(tmp_path_factory: pytest.TempPathFactory) -> corpus.Corpus:
-    return corpus.prepare([demo.DEMO_TEXT], tmp_path_factory.mktemp("demo") / "corpus",
+    return corpus.prepare(demo.demo_texts(), tmp_path_factory.mktemp("demo") / "corpus",
                           train_tokenizer=demo.DEMO_VOCAB)
 
 
@@ -86,3 +88,11 @@ def test_the_demos_soak_passes_its_gates(tmp_path: Path, docs_corpus: corpus.Cor
 def test_the_demos_soak_passes_its_gates_more_seeds(tmp_path: Path, docs_corpus: corpus.Corpus, seed: int) -> None:
     verdicts = _judge(train_demo_soak(tmp_path, docs_corpus, seed))
     assert [(v.gate, v.reason) for v in verdicts if not v.passed] == []
+
+
+def test_the_demo_reads_the_docs_but_the_measurement_logs() -> None:
+    texts = demo.demo_texts()
+    names = [path.name for path in texts]
+    assert names == sorted(names) and len(names) >= 10 and "rollout.md" in names
+    assert not set(names) & set(demo.DEMO_SKIPPED)
+    assert all((demo.DEMO_TEXT / name).is_file() for name in demo.DEMO_SKIPPED)  # they exist: left out, not missing
