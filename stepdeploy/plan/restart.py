@@ -39,6 +39,8 @@ DETECTION_S = 0.7  # kill to the controller's `detected` over SSH polled every 0
 STOP_S = 0.2  # stop the survivors, diagnose, decide the restart (median of 4 kills, calls BB-BC: 0.18-0.73 s)
 LAUNCH_S = 0.11  # the controller's launch to the rank's first line (4 kills, BB-BC: 0.11-0.12 s); nodes in parallel
 IMPORTS_S = 1.32  # torch's import and a one-rank process group (median of 4 kills, BB-BC: 1.30-3.32 s)
+# Not modelled: after the kill of a large rank the new one's start waits longer (the MoE proxy 3.32 s, BC; the slice
+# 5.59 s on an H200, BD, whose restart took 17.90 s against the 11.2 s these parts give), as does its first step.
 # The process group's rendezvous grows with the ranks (every rank connects to the TCPStore and NCCL's bootstrap
 # ring exchanges addresses): assumed 1 ms per rank, i.e. ~8 s for 8,192 ranks. Not measured beyond one node.
 PROCESS_GROUP_S_PER_RANK = 1e-3
