@@ -1,5 +1,5 @@
 """Which launcher launch.sh runs: stepdeploy's launch_ranks.py for the static rendezvous, torchrun for what only it
-does (a c10d rendezvous, restarting its own workers)."""
+does (a c10d rendezvous, restarting its own workers) and under Slurm (render/run.py says why)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,9 @@ def test_torchrun_stays_for_what_only_it_does(options: dict[str, object], flag: 
     text = launch_script(**options)
     assert "-m torch.distributed.run" in text and flag in text
     assert "launch_ranks.py" not in text
+
+
+def test_slurm_keeps_torchrun() -> None:
+    text = launch_script(executor="slurm")
+    assert "-m torch.distributed.run" in text and "launch_ranks.py" not in text
+    assert "launch_ranks.py" in launch_script(executor="fabric")

@@ -16,15 +16,15 @@ printf '%s\n' "$$" > "$node_dir/launch.pid"
 # shellcheck source=/dev/null
 . "$node_dir/env.sh"
 
-# stepdeploy's launcher (workload/launch_ranks.py): torchrun's static rendezvous without torchrun's torch import.
 launcher=(
-  /opt/stepdeploy/venv/bin/python -I "$run_dir/workload/launch_ranks.py"
+  /opt/stepdeploy/venv/bin/python -m torch.distributed.run
   --nnodes=2
   --nproc-per-node=8
   --node-rank=1
   --master-addr=192.0.2.31
   --master-port=29500
-  --
+  --max-restarts=0
+  --monitor-interval=1
 )
 workload=(
   "$run_dir/workload/train.py"
