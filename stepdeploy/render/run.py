@@ -130,15 +130,10 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
     files += data_files
     kind = sbatch.executor_kind(cluster, opts)
     slurm = kind == "slurm"
-    # Under Slurm torchrun stays: srun --kill-on-bad-exit SIGKILLs every node's task once one exits non-zero, and
-    # launch_ranks.py exits ~50 ms after its worker's death (torchrun ~1.3 s), so the controller's poll found the
-    # killed rank and its victims dead at one iteration and blamed the lowest rank (CI, 2026-12-06); until the
-    # launcher records its worker's cause itself, the slower exit keeps the culprit first
-    launcher = "torchrun" if slurm else opts.launcher
     common = {"version": version, "run_id": opts.run_id, "run_dir": opts.run_dir, "nnodes": len(cluster.nodes),
               "nproc_per_node": nproc, "python": opts.python, "rendezvous": opts.rendezvous,
               "master_addr": cluster.nodes[0].address, "master_port": opts.master_port,
-              "max_restarts": opts.max_restarts, "launcher": launcher}
+              "max_restarts": opts.max_restarts, "launcher": opts.launcher(kind)}
     node_files, notes = _node_files(placements, common, layout, opts, facts)
     files += node_files
     if slurm:
