@@ -86,8 +86,23 @@ kill_every=${KILL_EVERY:-$kill_every}
 kill_run=local-${kill_model%%-1gpu}
 kills=()
 for at in ${KILL_AT:-$kill_at}; do kills+=(--inject "kill:rank=0@$at"); done
+# what the box does around each restart (a restarted large rank's torch import and process group took 3-4x a first
+# start's, call BD): every 0.5 s the page cache, shared and locked memory, the pages read in and major faults since
+# boot, and the GPU memory in use, to tell a page cache evicted under /dev/shm from the driver's teardown
+sample_box() {
+    while :; do
+        printf '%s %s %s %s\n' "$(date +%s.%N)" \
+            "$(awk '/^(MemFree|Cached|Shmem|Mlocked):/ {printf "%s=%s ", $1, $2}' /proc/meminfo)" \
+            "$(awk '/^(pgpgin|pgmajfault) / {printf "%s=%s ", $1, $2}' /proc/vmstat)" \
+            "gpu_mib=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -n 1)"
+        sleep 0.5
+    done
+}
+sample_box > "$keep/$kill_run-samples.txt" 2>&1 &
+sampler=$!
 local_rollout "$kill_run" "${KILL_TIMEOUT:-330}" -m "$kill_model" --stages "warmup,soak" --warmup-iterations 6 \
     --soak-duration "${KILL_SOAK:-150s}" --checkpoint-interval "$kill_every" --keep-checkpoints 1 "${kills[@]}"
+kill "$sampler"
 python3 bench/restart_times.py "/tmp/$kill_run" | tee "$keep/$kill_run-restarts.txt"
 find "/tmp/$kill_run" -path '*soak*' -name phases.jsonl -exec cp --backup=numbered {} "$keep/$kill_run-phases.jsonl" \;
 fi

@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, als
 import torch.distributed as dist  # noqa: E402 (after STARTED)
 from metrics import RankFiles, log  # noqa: E402
 
+IMPORTED = time.time()  # torch imported: the rest of a start's "imports + process group" is the process group
+
 EXIT_CONFIG, EXIT_COLLECTIVE, EXIT_TERM = 2, 3, 143
 PR_SET_PDEATHSIG = 1
 
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             code, reason = EXIT_CONFIG, f"bad configuration: {exc!r}"
             return code
         files.phase("start", STARTED)
+        files.phase("imported", IMPORTED)
         init_distributed(cfg)
         files.phase("initialized")
         code = run(cfg, args.out_dir, files)

@@ -117,11 +117,11 @@ def test_metrics_heartbeat_status_checkpoints_and_resume(tmp_path: Path, model: 
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5, 6, 7, 8]
     phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
     names = [(p["phase"], p.get("iteration")) for p in phases]
-    assert names == [("start", None), ("initialized", None), ("model", None), ("resumed", 0), ("first_step", 1),
-                     ("save", 3), ("save_committed", 3), ("save", 6), ("save_committed", 6), ("start", None),
-                     ("initialized", None), ("model", None), ("resumed", 6), ("first_step", 7), ("save", 8),
-                     ("save_committed", 8)]
-    assert len({p["pid"] for p in phases[:9]}) == 1 and phases[9]["pid"] != phases[0]["pid"]
+    assert names == [("start", None), ("imported", None), ("initialized", None), ("model", None), ("resumed", 0),
+                     ("first_step", 1), ("save", 3), ("save_committed", 3), ("save", 6), ("save_committed", 6),
+                     ("start", None), ("imported", None), ("initialized", None), ("model", None), ("resumed", 6),
+                     ("first_step", 7), ("save", 8), ("save_committed", 8)]
+    assert len({p["pid"] for p in phases[:10]}) == 1 and phases[10]["pid"] != phases[0]["pid"]
     times = [p["time"] for p in phases]
     assert times == sorted(times) and all(p["began"] <= p["time"] for p in phases if p["phase"].startswith("save"))
     for p in phases:
