@@ -17,13 +17,18 @@ gpu_box_setup() {  # WHEELS: megatron-core into the node's venv, the runs direct
     export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 }
 
-gpu_box_inventory() {  # PATH: the box, reached without SSH (ansible_connection=local), its one GPU's model as
-                       # nvidia-smi names it (an nvidia-h200 call can get an H100: an inventory saying H200 there
-                       # plans the H200's layout, which does not fit the H100's 80 GB)
+gpu_box_model() {  # the box's GPU model for an inventory, as nvidia-smi names its first GPU (an nvidia-h200 call can
+                   # get an H100: an inventory saying H200 there plans the H200's layout, which does not fit 80 GB)
     local name model=H200
     name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-    case $name in *H100*) model=H100 ;; *H200*) model=H200 ;; *) echo "gpu_box_inventory: unknown GPU '$name'" >&2 ;; esac
+    case $name in *H100*) model=H100 ;; *H200*) model=H200 ;; *) echo "gpu_box_model: unknown GPU '$name'" >&2 ;; esac
+    echo "the box's GPU: $name (inventory: $model)" >&2
+    echo "$model"
+}
+
+gpu_box_inventory() {  # PATH: the box, reached without SSH (ansible_connection=local), its one GPU's model
+    local model
+    model=$(gpu_box_model)
     printf '%s\n' '[gpu]' 'h200 ansible_host=127.0.0.1 ansible_connection=local' '' '[gpu:vars]' \
         'stepdeploy_gpus_per_node=1' "stepdeploy_gpu_model=$model" 'stepdeploy_fabric=ethernet' > "$1"
-    echo "the box's GPU: $name (inventory: $model)"
 }

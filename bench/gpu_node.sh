@@ -79,6 +79,9 @@ LD_LIBRARY_PATH=$libs "$state/root/usr/sbin/sshd" -t -f "$state/sshd_config"
 LD_LIBRARY_PATH=$libs "$state/root/usr/sbin/sshd" -f "$state/sshd_config" -E "$state/sshd.log"
 echo "[127.0.0.1]:$port $(cut -d' ' -f1,2 "$state/host_key.pub")" > "$state/known_hosts"
 
+# shellcheck source=bench/gpu_box.sh
+source "$(dirname "$0")/gpu_box.sh"
+model=$(gpu_box_model)
 cat > "$state/inventory.ini" <<EOF
 [gpu]
 h200 ansible_host=127.0.0.1 ansible_port=$port
@@ -88,7 +91,7 @@ ansible_user=root
 ansible_ssh_private_key_file=$state/client_key
 stepdeploy_ssh_known_hosts=$state/known_hosts
 stepdeploy_gpus_per_node=1
-stepdeploy_gpu_model=H200
+stepdeploy_gpu_model=$model
 stepdeploy_fabric=ethernet
 EOF
 cat > "$state/env.sh" <<EOF
