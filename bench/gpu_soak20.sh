@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 21's goodput goal on one H200: a 20-minute soak of the dense proxy, a checkpoint about every minute (90
-# iterations at ~0.645 s), one kill -9 at 10 minutes, driven through the local executor (`stepdeploy rollout run
-# --executor local`). One device call lasts at most 10 minutes, so the rollout runs in a session of its own
+# Issues 21 and 37's goodput goal on one H200: a 20-minute soak of the dense proxy (or SOAK_MODEL), a checkpoint about
+# every minute (SOAK_CKPT=90 iterations at ~0.645 s), one kill -9 at 10 minutes (SOAK_KILL), driven through the local
+# executor (`stepdeploy rollout run --executor local`). One device call lasts at most 10 minutes, so the rollout runs in a session of its own
 # (setsid: the device machine keeps such a process between calls while it stays warm) and later calls wait for it:
 #
 #   OUT=$OUT bash bench/gpu_soak20.sh start .whl     # first call: set the box up, start the rollout, return
@@ -23,10 +23,14 @@ case $mode in
         gpu_box_setup "$wheels"
         mkdir -p "$keep"
         gpu_box_inventory /tmp/box.ini
+        # SOAK_MODEL=step-3.5-flash-slice-1gpu SOAK_CKPT=600 SOAK_KILL=12m: the slice (issue 37), one save of its 48 GB
+        # (a second does not fit the box's /dev/shm beside it) at ~11 min, the kill after its commit
         setsid nohup bash -c 'python3 -m stepdeploy rollout run -i /tmp/box.ini --executor local --run-dir "$1" \
-            -m proxy-0.7b-dense --stages warmup,soak --warmup-iterations 6 --soak-duration 20m \
-            --checkpoint-interval 90 --inject kill:rank=last@10m > "$2/soak20.log" 2>&1; echo "exit $?" > "$2/done"' \
-            _ "$run" "$keep" < /dev/null > /dev/null 2>&1 &
+            -m "$3" --stages warmup,soak --warmup-iterations 6 --soak-duration 20m \
+            --checkpoint-interval "$4" --keep-checkpoints 1 --inject "kill:rank=last@$5" > "$2/soak20.log" 2>&1
+            echo "exit $?" > "$2/done"' \
+            _ "$run" "$keep" "${SOAK_MODEL:-proxy-0.7b-dense}" "${SOAK_CKPT:-90}" "${SOAK_KILL:-10m}" \
+            < /dev/null > /dev/null 2>&1 &
         # each process's GPU memory every 30 s (the rank and its persistent checkpoint writer: the writer's CUDA
         # context is not in the planner's memory model yet)
         setsid nohup bash -c 'while [ ! -e "$1/done" ]; do date +%s; nvidia-smi --query-compute-apps=pid,process_name,used_memory \
