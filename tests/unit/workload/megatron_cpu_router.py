@@ -11,10 +11,11 @@ expert, the busiest expert's bias and its lead (margin), and how much of each ro
     catalog model; "hidden": its width, with "ffn", "moe_ffn", "kv" to slim the rest; "router_lr_mult": the
     routers' learning rate over the others', 0 holds them at their start; "optimizer": OptimizerConfig fields
     (adam_beta2, adam_eps, clip_grad); "embedding_lr_mult": the same for the embedding and output layer; "data":
-    "docs" (bytes), "uniform" (independent uniform tokens) or "markov" (the synthetic stream the soak trains on by
-    default, stepdeploy/workload/synthetic.py, over "vocab" tokens); "precision": "bf16" or "fp32" (much faster on
-    a CPU); "probe_every": every so many steps (and the first) run the step twice, once with the auxiliary loss
-    off, and split its gradient into the language-model loss's and the auxiliary loss's (grad_split))
+    "docs" (the frozen docs, CORPUS, as bytes), "uniform" (independent uniform tokens) or "markov" (the synthetic
+    stream the soak trains on by default, stepdeploy/workload/synthetic.py, over "vocab" tokens); "precision":
+    "bf16" or "fp32" (much faster on a CPU); "probe_every": every so many steps (and the first) run the step
+    twice, once with the auxiliary loss off, and split its gradient into the language-model loss's and the
+    auxiliary loss's (grad_split))
 
 Per step also the auxiliary loss of each MoE layer (aux, by layer: moe_stats reads megatron's tracker, E x sum_e
 f_e P_e, 1 balanced, E/k when every token goes to the same k experts, mean over micro-batches); on "markov" data
@@ -26,6 +27,7 @@ equivalent of a MoE model: "experts": 1, "topk": 1 with overrides {"moe_router_p
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -40,13 +42,15 @@ SETTINGS: dict[str, Any] = {
     "router_lr_mult": 1.0, "model": "step-3.5-flash-slice-1gpu", "ffn": 0, "moe_ffn": 0, "kv": 0,
     "optimizer": {}, "embedding_lr_mult": 1.0, "vocab": 256, "precision": "bf16", "probe_every": 0,
 }
-CORPUS = Path(__file__).resolve().parents[3] / "docs"
+# The docs as they were at 760d22a (docs/*.md in name order), frozen: the soak's corpus was the docs, tokenized
+# byte-level, but a test of the router's mechanism must not change its verdict with every edit of the docs (an edit
+# of five docs made one layer's busiest expert at one step one whose bias had gone up and back down to 0, 2026-12-06)
+CORPUS = Path(__file__).resolve().parents[2] / "fixtures" / "router" / "docs-760d22a.txt.gz"
 
 
 def byte_stream() -> torch.Tensor:
-    """This checkout's docs as bytes (the soak's corpus was the docs, tokenized byte-level)."""
-    text = b"".join(p.read_bytes() for p in sorted(CORPUS.glob("*.md")))
-    return torch.tensor(list(text), dtype=torch.long)
+    """The frozen docs (CORPUS) as bytes."""
+    return torch.tensor(list(gzip.decompress(CORPUS.read_bytes())), dtype=torch.long)
 
 
 def small_model(s: dict[str, Any]) -> Any:
