@@ -222,7 +222,7 @@ def phase_record(data: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StatusRecord:
-    """A rank's status file (out/status/rank<R>.json)."""
+    """A rank's status file (out/status/rank<R>.json); the last two fields are its launcher's (launch_ranks.py)."""
 
     rank: int | None
     state: str
@@ -230,6 +230,8 @@ class StatusRecord:
     node: str | None = None
     code: int | None = None
     reason: str = ""
+    failed_first_at: float | None = None  # when the launcher saw this rank fail, the first of its node
+    stopped_after_rank: int | None = None  # the launcher stopped this rank after that rank failed
 
 
 @dataclass(frozen=True)
@@ -250,7 +252,11 @@ def status_record(data: Any) -> StatusRecord:
                         pid=_optional(integer, data.get("pid"), 1, PID_MAX, "pid"),
                         node=_optional(text, data.get("node"), "node", 255),
                         code=_optional(integer, data.get("code"), CODE_MIN, CODE_MAX, "code"),
-                        reason=_optional(text, data.get("reason"), "reason") or "")
+                        reason=_optional(text, data.get("reason"), "reason") or "",
+                        failed_first_at=_optional(finite, data.get("failed_first_at"), 0.0, TIME_MAX,
+                                                  "failed_first_at"),
+                        stopped_after_rank=_optional(integer, data.get("stopped_after_rank"), 0, RANK_MAX,
+                                                     "stopped_after_rank"))
 
 
 def heartbeat_record(data: Any) -> HeartbeatRecord:

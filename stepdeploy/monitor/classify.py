@@ -10,7 +10,9 @@ Rules, in order (the first that holds wins):
   link       a monitor finding fails a link (IB port not ACTIVE, interface not up, link_downed rose, or a link that
              flapped while ranks failed); a flap the run trained through is a warning finding, not weighed here
   crash      a rank died without exiting (killed, segfault) or exited with its own error (not a collective
-             failure, not SIGTERM from the stop)
+             failure, not SIGTERM from the stop, not stopped by its launcher after another rank failed); the culprit
+             is the rank whose launcher saw it fail earliest (launch_ranks.py's record), else (torchrun records
+             nothing) the rank that exited with its own error, else the died rank with the lowest iteration
   hang       a running rank's heartbeat is older than the timeout, or the monitor reported a hang
   link       ranks exited only because their collectives failed, with no rank dead, crashed or stuck: the
              peers' collectives timed out on the network
@@ -108,15 +110,25 @@ def _link_finding(status: RunStatus, findings: list[Finding], timeout: float) ->
 
 
 def _crash(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:
-    died = [r for r in status.ranks if r.state == "died"]
-    failed = [r for r in status.ranks if r.state == EXITED and r.code not in NOT_A_CAUSE]
+    causes = [r for r in status.ranks if r.stopped_after_rank is None]  # its launcher stopped it: a victim
+    died = [r for r in causes if r.state == "died"]
+    failed = [r for r in causes if r.state == EXITED and r.code not in NOT_A_CAUSE]
     if not died and not failed:
         return None
-    evidence = [f"rank {r.rank} on {r.node}: exited {r.code} ({_reason(r)})" for r in failed]
-    evidence += [f"rank {r.rank} on {r.node}: died without exiting (pid {r.pid} gone; killed or crashed), "
-                 f"last heartbeat at iteration {r.iteration}" for r in died]
-    first = failed[0] if failed else min(died, key=lambda r: (r.iteration if r.iteration is not None else -1, r.rank))
-    return Classification(CRASH, first.node, first.rank, tuple(evidence))
+    evidence = [(r, f"rank {r.rank} on {r.node}: exited {r.code} ({_reason(r)})") for r in failed]
+    evidence += [(r, f"rank {r.rank} on {r.node}: died without exiting (pid {r.pid} gone; "
+                     f"{_reason(r) or 'killed or crashed'}), last heartbeat at iteration {r.iteration}") for r in died]
+    seen = [r for r in (*failed, *died) if r.failed_first_at is not None]
+    if seen:
+        # Each node's launcher (launch_ranks.py) wrote when it saw its first rank fail: the earliest is the cause,
+        # whatever else one poll finds dead with it (srun --kill-on-bad-exit kills every node's task ~50 ms after
+        # the first node's launcher exits, before the next poll). Its evidence comes first.
+        first = min(seen, key=lambda r: (r.failed_first_at, r.rank))
+        evidence.sort(key=lambda item: item[0] is not first)
+    else:
+        first = failed[0] if failed else min(died, key=lambda r: (r.iteration if r.iteration is not None else -1,
+                                                                    r.rank))
+    return Classification(CRASH, first.node, first.rank, tuple(line for _rank, line in evidence))
 
 
 def _hang(status: RunStatus, findings: list[Finding], timeout: float) -> Classification | None:

@@ -59,6 +59,10 @@ class RankStatus:
     reason: str = ""
     iteration: int | None = None  # last heartbeat
     heartbeat_age_s: float | None = None
+    # what the node's launcher saw (launch_ranks.py; torchrun records neither): when this rank failed, the first of
+    # its node (its node's clock), or the rank after whose failure the launcher stopped it (a victim, no cause)
+    failed_first_at: float | None = None
+    stopped_after_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,16 +100,24 @@ class RunStatus:
         return [n for n in self.nodes if n.state == UNREACHABLE and (n.silent_s is None or n.silent_s >= after_s)]
 
     def culprits(self) -> list[str]:
-        """Which node/rank brought the run down, first causes before consequences."""
+        """Which node/rank brought the run down, first causes before consequences: the ranks whose launcher saw them
+        fail first on their node (launch_ranks.py) earliest first, ranks it stopped after one failed left out."""
         found = [f"node {n.node}: unreachable ({n.detail})" for n in self.nodes if n.state == UNREACHABLE]
-        found += [f"node {r.node} rank {r.rank}: died without exiting (pid {r.pid} gone; killed or crashed)"
-                  for r in self.ranks if r.state == "died"]
-        found += [f"node {r.node} rank {r.rank}: exited {r.code} ({r.reason.splitlines()[0] if r.reason else ''})"
-                  for r in self.ranks if r.state == EXITED and r.code not in (0, EXIT_COLLECTIVE, 143)]
+        causes = [r for r in self.ranks if r.stopped_after_rank is None]
+        ranks = [(r, f"node {r.node} rank {r.rank}: died without exiting (pid {r.pid} gone; "
+                     f"{_first_line(r.reason) or 'killed or crashed'})") for r in causes if r.state == "died"]
+        ranks += [(r, f"node {r.node} rank {r.rank}: exited {r.code} ({_first_line(r.reason)})")
+                  for r in causes if r.state == EXITED and r.code not in (0, EXIT_COLLECTIVE, 143)]
+        ranks.sort(key=lambda item: (0, item[0].failed_first_at) if item[0].failed_first_at is not None else (1, 0.0))
+        found += [line for _rank, line in ranks]
         if not found:  # only victims: report them
-            found = [f"node {r.node} rank {r.rank}: exited {r.code} ({r.reason.splitlines()[0] if r.reason else ''})"
+            found = [f"node {r.node} rank {r.rank}: exited {r.code} ({_first_line(r.reason)})"
                      for r in self.ranks if r.state == EXITED and r.code not in (0, None)]
         return found
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ def _rank(entry: Any, node: str, here: str | None, live: set[int], now: float | 
     age = round(now - beat.time, 2) if beat is not None and now is not None else None
     return RankStatus(rank=rank, node=status.node or node, pid=status.pid, state=state, code=status.code,
                       reason=status.reason, iteration=beat.iteration if beat is not None else None,
-                      heartbeat_age_s=age)
+                      heartbeat_age_s=age, failed_first_at=status.failed_first_at,
+                      stopped_after_rank=status.stopped_after_rank)
 
 
 def node_status(node: str, stdout: str) -> NodeStatus:

@@ -77,15 +77,17 @@ class RenderOptions:
     warmup_iterations: int | None = None  # None: a tenth of the iterations
     decay_iterations: int | None = None  # the cosine decay's end (None: the iterations)
 
-    def launcher(self, executor_kind: str) -> str:
-        """Who starts a node's ranks: `ranks` (workload/launch_ranks.py: torchrun's static rendezvous without its
-        torch import, about a second of every start and restart) or torchrun, kept for what only it does (a c10d
-        rendezvous, restarting its own workers) and under Slurm: srun --kill-on-bad-exit SIGKILLs every node's task
-        once one exits non-zero, and launch_ranks.py exits ~50 ms after its worker's death (torchrun ~1.3 s), so the
-        controller's poll found the killed rank and its victims dead at one iteration and blamed the lowest rank
-        (CI, 2026-12-06); until the launcher records its worker's cause itself, the slower exit keeps the culprit
-        first."""
-        if executor_kind == "slurm" or self.rendezvous != "static" or self.max_restarts > 0:
+    @property
+    def launcher(self) -> str:
+        """Who starts a node's ranks, under every executor: `ranks` (workload/launch_ranks.py: torchrun's static
+        rendezvous without its torch import, about a second of every start and restart) or torchrun, kept for what
+        only it does (a c10d rendezvous, restarting its own workers). Slurm runs launch_ranks.py too: srun
+        --kill-on-bad-exit SIGKILLs every node's task ~50 ms after launch_ranks.py exits on its worker's death, so
+        one poll may find the killed rank and its victims dead together (when that was all it had, the controller
+        blamed the lowest rank: CI, 2026-12-06, and Slurm kept torchrun for its slower exit). The launcher now writes
+        when it saw its node's first failure into that rank's status file before it exits, and the controller blames
+        the earliest (monitor/classify.py)."""
+        if self.rendezvous != "static" or self.max_restarts > 0:
             return "torchrun"
         return "ranks"
 

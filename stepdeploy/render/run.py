@@ -133,7 +133,7 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
     common = {"version": version, "run_id": opts.run_id, "run_dir": opts.run_dir, "nnodes": len(cluster.nodes),
               "nproc_per_node": nproc, "python": opts.python, "rendezvous": opts.rendezvous,
               "master_addr": cluster.nodes[0].address, "master_port": opts.master_port,
-              "max_restarts": opts.max_restarts, "launcher": opts.launcher(kind)}
+              "max_restarts": opts.max_restarts, "launcher": opts.launcher}
     node_files, notes = _node_files(placements, common, layout, opts, facts)
     files += node_files
     if slurm:

@@ -12,12 +12,22 @@ polling): the first to fail stops the others (SIGTERM, SIGKILL after GRACE_S) an
 (128 + N for a signal N); every worker exiting 0 is 0. SIGTERM, SIGINT or SIGHUP stop the workers the same way
 (exit 128 + the signal). torchrun stays the launcher of the c10d rendezvous and of torchrun's own restarts
 (render/options.py).
+
+With --status-dir (the workload's out/status, rendered by launch.sh), the launcher writes down what it saw, because
+it alone saw it: before it stops the others, the first worker to fail gets `failed_first_at` (the launcher's clock
+when it reaped it) and `launcher_saw` ("was killed by signal 9 (SIGKILL)", "exited 1") in its rank's status file;
+after the stop, each worker it stopped gets `stopped_after_rank`. A worker's own exit record (train.py's "exited",
+code and reason: more specific than a wait status) is kept; one that wrote none (SIGKILLed, crashed) gets state
+"died" (a signal) or "exited", its code and the launcher's words. The controller (monitor/classify.py) blames the
+earliest `failed_first_at` across nodes, so a node killed whole a moment later (srun --kill-on-bad-exit) is not
+taken for the culprit. The files are replaced atomically, never left half-written.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +36,7 @@ import time
 
 GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL of its workers
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+MAX_STATUS_BYTES = 65536  # a worker's own status file: the controller's probe reads no more (node_probe.py)
 
 
 class Stop(Exception):
@@ -44,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--node-rank", type=int, required=True)
     parser.add_argument("--master-addr", required=True)
     parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--status-dir", help="the ranks' status files (rank<R>.json, the workload's out/status): "
+                                             "what the launcher saw of the first failure and of those it stopped")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARG...]: what every rank runs")
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -58,10 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def global_rank(args: argparse.Namespace, local_rank: int) -> int:
+    return args.node_rank * args.nproc_per_node + local_rank
+
+
 def rank_env(args: argparse.Namespace, local_rank: int, base: dict[str, str]) -> dict[str, str]:
     """The environment torchrun gives a worker (torch.distributed.elastic.agent.server.local_elastic_agent)."""
     world = args.nnodes * args.nproc_per_node
-    rank = args.node_rank * args.nproc_per_node + local_rank
+    rank = global_rank(args, local_rank)
     env = dict(base)
     env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), GROUP_RANK=str(args.node_rank), ROLE_RANK=str(rank),
                ROLE_NAME="default", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(args.nproc_per_node),
@@ -90,22 +107,25 @@ def _ended(status: int) -> str:
     return f"exited {os.waitstatus_to_exitcode(status)}"
 
 
-def stop(workers: dict[int, int], grace_s: float = GRACE_S) -> None:
-    """SIGTERM to every live worker, SIGKILL to those still there after `grace_s`; reaps them all."""
+def stop(workers: dict[int, int], grace_s: float = GRACE_S) -> dict[int, tuple[int, int]]:
+    """SIGTERM to every live worker, SIGKILL to those still there after `grace_s`; reaps them all.
+    Returns {pid: (local rank, wait status)} of those it reaped."""
+    reaped: dict[int, tuple[int, int]] = {}
     for pid in workers:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while workers:
         for pid in list(workers):
-            done, _status = os.waitpid(pid, os.WNOHANG)
+            done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                del workers[pid]
+                reaped[pid] = (workers.pop(pid), status)
         if workers and time.monotonic() >= deadline:
             for pid in workers:
                 _signal(pid, signal.SIGKILL)
             deadline = float("inf")
         if workers:
             time.sleep(0.02)
+    return reaped
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -126,6 +146,7 @@ def run(args: argparse.Namespace, grace_s: float = GRACE_S) -> int:
     procs = []  # held until the end: a collected Popen of a live child would be reaped by subprocess, not here
     base = dict(os.environ)
     code = 0
+    first: int | None = None  # the rank of the first worker to fail
     try:
         for local_rank in range(args.nproc_per_node):
             proc = subprocess.Popen([sys.executable, "-u", *args.command], env=rank_env(args, local_rank, base),
@@ -134,6 +155,7 @@ def run(args: argparse.Namespace, grace_s: float = GRACE_S) -> int:
             workers[proc.pid] = local_rank
         while workers:
             pid, status = os.waitpid(-1, 0)
+            seen = time.time()
             local_rank = workers.pop(pid, None)
             if local_rank is None:
                 continue
@@ -141,6 +163,11 @@ def run(args: argparse.Namespace, grace_s: float = GRACE_S) -> int:
             if code:
                 print(f"launch_ranks: local rank {local_rank} (pid {pid}) {_ended(status)}; stopping "
                       f"{len(workers)} other(s)", file=sys.stderr, flush=True)
+                first = global_rank(args, local_rank)
+                # before the stop and this launcher's exit: under srun --kill-on-bad-exit that exit gets every
+                # other node killed, and their ranks must not read as the first to die
+                _note(args.status_dir, first, pid, status, {"failed_first_at": seen},
+                      "seen by its launcher first on its node")
                 break
     except Stop as exc:
         print(f"launch_ranks: {exc}: stopping {len(workers)} worker(s)", file=sys.stderr, flush=True)
@@ -151,8 +178,77 @@ def run(args: argparse.Namespace, grace_s: float = GRACE_S) -> int:
     finally:
         for each in STOP_SIGNALS:
             signal.signal(each, signal.SIG_IGN)
-        stop(workers, grace_s)
+        stopped = stop(workers, grace_s)
+        if first is not None:  # written once they are reaped: a live worker may still be writing its own record
+            for pid, (local_rank, status) in sorted(stopped.items(), key=lambda item: item[1][0]):
+                _note(args.status_dir, global_rank(args, local_rank), pid, status, {"stopped_after_rank": first},
+                      f"stopped by its launcher after rank {first} failed")
     return code
+
+
+# --- what the launcher saw, in the ranks' status files ------------------------------------------------------------
+
+
+def _note(status_dir: str | None, rank: int, pid: int, status: int, fields: dict[str, object], why: str) -> None:
+    """Add what the launcher saw of worker `pid` (rank `rank`, wait status `status`) to its rank's status file.
+    Stop signals wait until the file is replaced (a stop must not leave it half-done); a failed write is said on
+    stderr and the launcher goes on (its exit matters more than its record)."""
+    if status_dir is None:
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        write_record(status_dir, rank, pid, status, fields, why)
+    except (OSError, ValueError) as exc:
+        print(f"launch_ranks: cannot record rank {rank}'s end: {exc}", file=sys.stderr, flush=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def write_record(status_dir: str, rank: int, pid: int, status: int, fields: dict[str, object], why: str) -> None:
+    """Rank `rank`'s status file (<status_dir>/rank<R>.json, the workload's metrics.RankFiles) with what the launcher
+    saw of its worker `pid`, ended with wait status `status`, and `fields`. The worker's own exit record ("exited",
+    its code and reason: more than a wait status says) is kept; a worker that wrote none (SIGKILLed, crashed) gets
+    "died" (a signal) or "exited", its code and the launcher's words. `launcher_saw`: the wait status in words."""
+    path = os.path.join(status_dir, f"rank{rank}.json")
+    saw = _ended(status)
+    own = own_record(path, pid)
+    if own is not None and own.get("state") == "exited":
+        record = own
+    else:
+        record = (own or {"rank": rank, "pid": pid, "node": os.environ.get("STEPDEPLOY_NODE_NAME")}) | {
+            "state": "died" if os.WIFSIGNALED(status) else "exited", "code": exit_code(status),
+            "reason": f"{saw}, {why}; no exit record of its own", "ended": time.time()}
+    _replace(path, record | {"launcher_saw": saw} | fields)
+
+
+def own_record(path: str, pid: int) -> dict[str, object] | None:
+    """The status record worker `pid` wrote itself, or None: none, unreadable, not a JSON object, longer than
+    MAX_STATUS_BYTES, or an earlier start's (a soak's restart reuses the run directory, its pid is another)."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_STATUS_BYTES + 1)
+        data = json.loads(raw) if len(raw) <= MAX_STATUS_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) and data.get("pid") == pid else None
+
+
+def _replace(path: str, record: dict[str, object]) -> None:
+    """Readers (the controller's probe) see the old record or the new, never a part: a temporary in the same
+    directory, fsynced, renamed over it (the workload's own atomic writes do the same: ckpt.py)."""
+    folder, name = os.path.split(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,9 @@
     out/status/rank<R>.json    every rank: {"state": "running", "pid", ...} at start, {"state": "exited",
                                "code", "reason"} at exit. A rank killed outright leaves "running" with a
                                dead pid: that is how the controller tells the rank that died from its victims.
+                               launch_ranks.py adds what it saw once the worker is gone: "failed_first_at"
+                               (the first of its node to fail) or "stopped_after_rank" (stopped after that rank
+                               failed), "launcher_saw"; over a "running" record, "died" (or "exited"), "code".
 """
 
 from __future__ import annotations

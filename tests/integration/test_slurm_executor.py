@@ -1,10 +1,11 @@
 """The rollout through Slurm on the simulated cluster: real munge, slurmctld and slurmd from the Debian
 packages, installed by roles/slurm with real Ansible; `rollout run --executor slurm` as a user runs it.
 
-- warmup and a short soak of the torch engine run as Slurm jobs across 2 nodes; a worker killed with
-  SIGKILL ends its job and the soak resubmits (a new job id, in the ledger) and resumes from its checkpoint;
+- warmup and a short soak of the torch engine run as Slurm jobs across 2 nodes (each node's ranks started by
+  launch_ranks.py); a worker killed with SIGKILL ends its job, the attempt names it (not a rank srun killed after
+  it) and the soak resubmits (a new job id, in the ledger) and resumes from its checkpoint;
 - `rollout stop` cancels the job (scancel) and nothing of the run is left on any node (this one with one
-  srun task per rank, `stepdeploy_slurm_tasks=gpu`, instead of one torchrun per node).
+  srun task per rank, `stepdeploy_slurm_tasks=gpu`, instead of one launch_ranks.py per node).
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def test_warmup_and_soak_as_slurm_jobs_and_a_killed_rank_is_resubmitted(cluster:
     soak = led.attempts("sl", "soak")
     assert [a["status"] for a in soak] == ["failed", "passed"], soak
     assert "node2 rank 1" in soak[0]["detail"]["why"], soak[0]
+    launch = (run / "attempts" / "soak-target" / "nodes" / "1-node2" / "launch.sh").read_text()
+    assert '-I "$run_dir/workload/launch_ranks.py"' in launch  # Slurm's tasks run stepdeploy's launcher
 
     events = _slurm_events(led, "sl")
     submitted = [e for e in events if "submitted" in e["message"]]
@@ -145,7 +148,7 @@ def test_warmup_and_soak_as_slurm_jobs_and_a_killed_rank_is_resubmitted(cluster:
     log = _on(cluster, 1, f"cat {remote}/logs/0-node1.log")
     assert "resumed from checkpoint" in log, log[-2000:]
     # Slurm's own output, on the batch host: srun names the first task that ended badly, which ended the step
-    # (--kill-on-bad-exit). Which task that is, is a race Slurm decides: node2's torchrun reporting its killed
+    # (--kill-on-bad-exit). Which task that is, is a race Slurm decides: node2's launcher reporting its killed
     # worker, or node1's rank 0 failing on the lost peer first. Who was killed is judged above, from the ledger.
     slurm_err = _on(cluster, 1, f"cat {remote}/logs/slurm-{ids[1]}.err")
     assert re.search(r"srun: error: node[12]: task [01]: Exited with exit code [1-9]\d*", slurm_err), slurm_err

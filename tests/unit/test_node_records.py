@@ -146,6 +146,11 @@ def answer(*ranks: dict[str, Any], now: float = 1000.0) -> str:
     ('{"rank": 0, "state": "running", "pid": Infinity}', "not a JSON number"),
     ('{"rank": 0, "state": "running", "pid": 1.5}', "pid is not an integer"),
     ('{"rank": 2000000, "state": "running"}', "outside 0..1e+06"),
+    ('{"rank": 0, "state": "died", "failed_first_at": 1e300}', "failed_first_at is not a number in 0..1e+10"),
+    ('{"rank": 0, "state": "died", "failed_first_at": "first"}', "failed_first_at is not a number"),
+    ('{"rank": 0, "state": "died", "failed_first_at": NaN}', "not a JSON number"),
+    ('{"rank": 0, "state": "exited", "stopped_after_rank": -1}', "stopped_after_rank -1 is outside"),
+    ('{"rank": 0, "state": "exited", "stopped_after_rank": [1]}', "stopped_after_rank is not an integer"),
     ('{"rank": 0, "state": ' + "[" * 3000 + "]" * 3000 + "}", "nested deeper"),
     ("x" * 70_000, "longer than 64 KiB"),
 ])
@@ -158,6 +163,20 @@ def test_a_bad_status_file_is_the_nodes_bad_record_not_unreachable(status: str, 
     assert node.bad_records == {"out/status/rank0.json": 1} and why in node.detail
     status_json = json.dumps({"nodes": [asdict(node)], "culprits": RunStatus((node,)).culprits()})
     assert '"bad_records": {"out/status/rank0.json": 1}' in status_json
+
+
+def test_a_launchers_record_reaches_the_rank_status() -> None:
+    """launch_ranks.py's additions to a status file (a SIGKILLed worker: died, the first of its node; a victim)."""
+    died = {"rank": 1, "pid": 12, "state": "died", "code": 137, "reason": "was killed by signal 9 (SIGKILL), ...",
+            "failed_first_at": 995.5, "launcher_saw": "was killed by signal 9 (SIGKILL)"}
+    stopped = {"rank": 0, "pid": 11, "state": "exited", "code": 143, "stopped_after_rank": 1}
+    node = poll_answer.node_status("n1", answer({"file": "rank1.json", "status": json.dumps(died), "heartbeat": None},
+                                                {"file": "rank0.json", "status": json.dumps(stopped),
+                                                 "heartbeat": None}))
+    victim, first = node.ranks
+    assert (first.state, first.code, first.failed_first_at, first.stopped_after_rank) == ("died", 137, 995.5, None)
+    assert (victim.state, victim.failed_first_at, victim.stopped_after_rank) == ("exited", None, 1)
+    assert not node.bad_records
 
 
 def test_a_bad_heartbeat_leaves_the_rank_without_one() -> None:

@@ -17,6 +17,7 @@ printf '%s\n' "$$" > "$node_dir/launch.pid"
 . "$node_dir/env.sh"
 
 # stepdeploy's launcher (workload/launch_ranks.py): torchrun's static rendezvous without torchrun's torch import.
+# It writes the first failed rank's end (and which ranks it stopped after it) into their status files.
 launcher=(
   /opt/stepdeploy/venv/bin/python -I "$run_dir/workload/launch_ranks.py"
   --nnodes=2
@@ -24,6 +25,7 @@ launcher=(
   --node-rank=0
   --master-addr=10.83.0.11
   --master-port=29500
+  --status-dir="$run_dir/out/status"
   --
 )
 workload=(

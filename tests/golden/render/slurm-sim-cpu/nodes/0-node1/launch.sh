@@ -16,15 +16,17 @@ printf '%s\n' "$$" > "$node_dir/launch.pid"
 # shellcheck source=/dev/null
 . "$node_dir/env.sh"
 
+# stepdeploy's launcher (workload/launch_ranks.py): torchrun's static rendezvous without torchrun's torch import.
+# It writes the first failed rank's end (and which ranks it stopped after it) into their status files.
 launcher=(
-  /opt/stepdeploy/venv/bin/python -m torch.distributed.run
+  /opt/stepdeploy/venv/bin/python -I "$run_dir/workload/launch_ranks.py"
   --nnodes=2
   --nproc-per-node=1
   --node-rank=0
   --master-addr=10.83.0.11
   --master-port=29500
-  --max-restarts=0
-  --monitor-interval=1
+  --status-dir="$run_dir/out/status"
+  --
 )
 workload=(
   "$run_dir/workload/train.py"
