@@ -72,6 +72,10 @@ ASSUMPTIONS = (
     "tau/(2 MTBF) - restart/MTBF (first order)",
     "other scales: the same layout with more data parallelism (the global batch grows with it): the same step, "
     "the distributed optimizer's shard shrinks with DP",
+    "not modelled, so low for a GPU that is nearly full: after a kill, a rank that held much GPU memory starts "
+    f"slower (imports and process group 3.32 s at 65.6 GiB, 5.59 s at 107 GiB, against {IMPORTS_S} s at a first "
+    "start) and takes a longer first step (1.2 and 3.4 s above a steady one); the Step-3.5-Flash slice on one "
+    "H200 measured 17.9 s where these parts give 11.2 s (call BD; the cause is not measured yet)",
 )
 
 
