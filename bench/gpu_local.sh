@@ -9,7 +9,7 @@
 # the MoE proxy under megatron-core options (MOE_VARIANTS). Results in
 # $OUT/local.tgz. The optimizers against the plan (foreach, fused, offload): bench/gpu_optim.sh.
 #
-#   OUT=/tmp/out [STEPS="preflight rollout densekills denseprofile slicekill moekill densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
+#   OUT=/tmp/out [STEPS="preflight rollout densekills denseprofile slicekill moekill mfu densedata moe moeproxy slicebpe slicecontrol firststep moewarm moevariants"] bash bench/gpu_local.sh .debs .whl   # $1 unused: no sshd
 set -uo pipefail
 wheels=$2
 out=${OUT:?set OUT}
@@ -105,6 +105,22 @@ local_rollout "$kill_run" "${KILL_TIMEOUT:-330}" -m "$kill_model" --stages "warm
 kill "$sampler"
 python3 bench/restart_times.py "/tmp/$kill_run" | tee "$keep/$kill_run-restarts.txt"
 find "/tmp/$kill_run" -path '*soak*' -name phases.jsonl -exec cp --backup=numbered {} "$keep/$kill_run-phases.jsonl" \;
+fi
+
+if [[ $steps == *" mfu "* ]]; then
+# issue 40: each model's MFU through the product (the scale stage's rungs, MFU_ITERS iterations each, the target
+# rung the model itself) and two of its steps profiled by category (STEPDEPLOY_PROFILE: out/profile-rank0.json,
+# workload/traces.py). MFU_MODELS: which (the slice needs an H200); MFU_LAYOUT: --layout for every model (a variant)
+for model in ${MFU_MODELS:-proxy-0.7b-dense proxy-0.7b-moe step-3.5-flash-slice-1gpu}; do
+    name=local-mfu-${model%%-1gpu}
+    layout=()
+    [ -n "${MFU_LAYOUT:-}" ] && layout=(--layout "$MFU_LAYOUT")
+    local_rollout "$name" "${MFU_TIMEOUT:-300}" -m "$model" --stages warmup,scale --warmup-iterations 6 \
+        --scale-iterations "${MFU_ITERS:-30}" --env "STEPDEPLOY_PROFILE=${MFU_PROFILE:-25:26}" "${layout[@]}"
+    find "/tmp/$name" -path '*scale*fetched*' \( -name 'profile-rank0.json' -o -name metrics.jsonl \) \
+        | while read -r f; do cp --backup=numbered "$f" "$keep/$name-$(basename "$f")"; done
+    grep -i "mfu" "$keep/$name-report.txt" | head -4
+done
 fi
 
 if [[ $steps == *" densedata "* ]]; then
