@@ -128,14 +128,14 @@ def render_run(cluster: Cluster, spec: ModelSpec, layout: Layout, opts: RenderOp
                           "workload.json.j2")]
     files += [RenderedFile(f"workload/{name}", text) for name, text in sorted(workload_sources.items())]
     files += data_files
-    kind = sbatch.executor_kind(cluster, opts)
-    slurm = kind == "slurm"
     common = {"version": version, "run_id": opts.run_id, "run_dir": opts.run_dir, "nnodes": len(cluster.nodes),
               "nproc_per_node": nproc, "python": opts.python, "rendezvous": opts.rendezvous,
               "master_addr": cluster.nodes[0].address, "master_port": opts.master_port,
               "max_restarts": opts.max_restarts, "launcher": opts.launcher}
     node_files, notes = _node_files(placements, common, layout, opts, facts)
     files += node_files
+    kind = sbatch.executor_kind(cluster, opts)
+    slurm = kind == "slurm"
     if slurm:
         files.append(RenderedFile(sbatch.SBATCH_SCRIPT, sbatch.render_sbatch(cluster, opts, placements, common, nproc),
                                   "sbatch.sh.j2", executable=True))

@@ -1,4 +1,5 @@
-"""Starts this node's training ranks without torchrun (standard library only; shipped as a file):
+"""Starts this node's training ranks without torchrun (standard library only, and ckpt.py's atomic write on a failure;
+shipped as files):
 
     python -I launch_ranks.py --nnodes N --nproc-per-node P --node-rank R --master-addr A --master-port PORT \\
         -- SCRIPT [ARG...]
@@ -33,6 +34,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules (ckpt.py), also under python -I
 
 GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL of its workers
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -218,7 +222,11 @@ def write_record(status_dir: str, rank: int, pid: int, status: int, fields: dict
         record = (own or {"rank": rank, "pid": pid, "node": os.environ.get("STEPDEPLOY_NODE_NAME")}) | {
             "state": "died" if os.WIFSIGNALED(status) else "exited", "code": exit_code(status),
             "reason": f"{saw}, {why}; no exit record of its own", "ended": time.time()}
-    _replace(path, record | {"launcher_saw": saw} | fields)
+    # the status file as the worker writes it (metrics.RankFiles): readers see the old record or the new, never a
+    # part. Imported here, on a failure only: a start stays as light as the standard library's own (launch_cost.py)
+    from ckpt import atomic_write_json
+
+    atomic_write_json(Path(path), record | {"launcher_saw": saw} | fields)
 
 
 def own_record(path: str, pid: int) -> dict[str, object] | None:
@@ -231,24 +239,6 @@ def own_record(path: str, pid: int) -> dict[str, object] | None:
     except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) and data.get("pid") == pid else None
-
-
-def _replace(path: str, record: dict[str, object]) -> None:
-    """Readers (the controller's probe) see the old record or the new, never a part: a temporary in the same
-    directory, fsynced, renamed over it (the workload's own atomic writes do the same: ckpt.py)."""
-    folder, name = os.path.split(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as handle:
-            handle.write(json.dumps(record, sort_keys=True) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:
