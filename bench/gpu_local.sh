@@ -110,19 +110,27 @@ fi
 if [[ $steps == *" mfu "* ]]; then
 # issue 40: each model's MFU through the product (the scale stage's rungs, MFU_ITERS iterations each, the target
 # rung the model itself) and two of its steps profiled by category (STEPDEPLOY_PROFILE: out/profile-rank0.json,
-# workload/traces.py). MFU_MODELS: which (the slice needs an H200); MFU_LAYOUT: --layout for every model (a variant);
-# MFU_ENV: one more --env for every model (e.g. STEPDEPLOY_MCORE_OVERRIDES={"bias_activation_fusion":true});
-# MFU_TAG: a suffix for the run's name, so that a variant keeps the baseline's files
+# workload/traces.py). MFU_MODELS: which (the slice needs an H200); MFU_LAYOUT: --layout for every run;
+# MFU_VARIANTS: runs of each model, TAG=WHAT, whitespace-separated: WHAT empty (the engine as it is), an --env
+# assignment, or layout:K=V (one more --layout), e.g.
+#   MFU_VARIANTS='base= swiglu=STEPDEPLOY_MCORE_OVERRIDES={"bias_activation_fusion":true} adam=layout:optimizer=fused'
+# each run is local-mfu-MODEL-TAG; compare the losses with bench/loss_compare.py
 for model in ${MFU_MODELS:-proxy-0.7b-dense proxy-0.7b-moe step-3.5-flash-slice-1gpu}; do
-    name=local-mfu-${model%%-1gpu}${MFU_TAG:+-$MFU_TAG}
-    extra=()
-    [ -n "${MFU_LAYOUT:-}" ] && extra+=(--layout "$MFU_LAYOUT")
-    [ -n "${MFU_ENV:-}" ] && extra+=(--env "$MFU_ENV")
-    local_rollout "$name" "${MFU_TIMEOUT:-300}" -m "$model" --stages warmup,scale --warmup-iterations 6 \
-        --scale-iterations "${MFU_ITERS:-30}" --env "STEPDEPLOY_PROFILE=${MFU_PROFILE:-25:26}" "${extra[@]}"
-    find "/tmp/$name" -path '*scale*fetched*' \( -name 'profile-rank0.json' -o -name metrics.jsonl \) \
-        | while read -r f; do cp --backup=numbered "$f" "$keep/$name-$(basename "$f")"; done
-    grep -i "mfu" "$keep/$name-report.txt" | head -4
+    for variant in ${MFU_VARIANTS:-base=}; do
+        name=local-mfu-${model%%-1gpu}-${variant%%=*} what=${variant#*=}
+        extra=()
+        [ -n "${MFU_LAYOUT:-}" ] && extra+=(--layout "$MFU_LAYOUT")
+        case $what in
+            "") ;;
+            layout:*) extra+=(--layout "${what#layout:}") ;;
+            *) extra+=(--env "$what") ;;
+        esac
+        local_rollout "$name" "${MFU_TIMEOUT:-300}" -m "$model" --stages warmup,scale --warmup-iterations 6 \
+            --scale-iterations "${MFU_ITERS:-30}" --env "STEPDEPLOY_PROFILE=${MFU_PROFILE:-25:26}" "${extra[@]}"
+        find "/tmp/$name" -path '*scale*fetched*' \( -name 'profile-rank0.json' -o -name metrics.jsonl \) \
+            | while read -r f; do cp --backup=numbered "$f" "$keep/$name-$(basename "$f")"; done
+        grep -i "mfu" "$keep/$name-report.txt" | head -4
+    done
 done
 fi
 
