@@ -113,7 +113,9 @@ if [[ $steps == *" mfu "* ]]; then
 # workload/traces.py). MFU_MODELS: which (the slice needs an H200); MFU_LAYOUT: --layout for every run;
 # MFU_VARIANTS: runs of each model, TAG=WHAT, whitespace-separated: WHAT empty (the engine as it is), an --env
 # assignment, or layout:K=V (one more --layout), e.g.
-#   MFU_VARIANTS='base= swiglu=STEPDEPLOY_MCORE_OVERRIDES={"bias_activation_fusion":true} adam=layout:optimizer=fused'
+#   MFU_VARIANTS='base= rerun= adam=layout:optimizer=fused'   (rerun: the noise for bench/loss_compare.py)
+#   MFU_MODELS=step-3.5-flash-slice-1gpu MFU_VARIANTS='base= swiglu=STEPDEPLOY_MCORE_OVERRIDES={"bias_activation_fusion":true}'
+#   (megatron's fused SwiGLU: gated MLPs only; the proxies' GELU MLP without bias makes TransformerConfig refuse it)
 # each run is local-mfu-MODEL-TAG; compare the losses with bench/loss_compare.py
 for model in ${MFU_MODELS:-proxy-0.7b-dense proxy-0.7b-moe step-3.5-flash-slice-1gpu}; do
     for variant in ${MFU_VARIANTS:-base=}; do
