@@ -110,10 +110,13 @@ fi
 if [[ $steps == *" mfu "* ]]; then
 # issue 40: each model's MFU through the product (the scale stage's rungs, MFU_ITERS iterations each, the target
 # rung the model itself) and two of its steps profiled by category (STEPDEPLOY_PROFILE: out/profile-rank0.json,
-# workload/traces.py). MFU_MODELS: which (the slice needs an H200); MFU_LAYOUT: --layout for every run;
+# workload/traces.py). MFU_MODELS: which (the slice needs an H200); MFU_LAYOUT: --layout for every run but a
+# layout variant;
 # MFU_VARIANTS: runs of each model, TAG=WHAT, whitespace-separated: WHAT empty (the engine as it is), an --env
-# assignment, or layout:K=V (one more --layout), e.g.
-#   MFU_VARIANTS='base= rerun= adam=layout:optimizer=fused'   (rerun: the noise for bench/loss_compare.py)
+# assignment, or layout:K=V,... (the whole --layout: a given layout starts from the defaults, mbs=1 and foreach
+# AdamW among them, not from the planner's choice, so name every key the planner chose), e.g. for the dense proxy
+#   MFU_MODELS=proxy-0.7b-dense MFU_VARIANTS='base= rerun= foreach=layout:mbs=8,optimizer=foreach'
+#   (rerun: the noise for bench/loss_compare.py; the planner picks MBS 8 and the fused AdamW)
 #   MFU_MODELS=step-3.5-flash-slice-1gpu MFU_VARIANTS='base= swiglu=STEPDEPLOY_MCORE_OVERRIDES={"bias_activation_fusion":true}'
 #   (megatron's fused SwiGLU: gated MLPs only; the proxies' GELU MLP without bias makes TransformerConfig refuse it)
 # each run is local-mfu-MODEL-TAG; compare the losses with bench/loss_compare.py
@@ -121,11 +124,10 @@ for model in ${MFU_MODELS:-proxy-0.7b-dense proxy-0.7b-moe step-3.5-flash-slice-
     for variant in ${MFU_VARIANTS:-base=}; do
         name=local-mfu-${model%%-1gpu}-${variant%%=*} what=${variant#*=}
         extra=()
-        [ -n "${MFU_LAYOUT:-}" ] && extra+=(--layout "$MFU_LAYOUT")
         case $what in
-            "") ;;
-            layout:*) extra+=(--layout "${what#layout:}") ;;
-            *) extra+=(--env "$what") ;;
+            layout:*) extra+=(--layout "${what#layout:}") ;;  # instead of MFU_LAYOUT
+            *) [ -n "${MFU_LAYOUT:-}" ] && extra+=(--layout "$MFU_LAYOUT")
+               [ -n "$what" ] && extra+=(--env "$what") ;;
         esac
         local_rollout "$name" "${MFU_TIMEOUT:-300}" -m "$model" --stages warmup,scale --warmup-iterations 6 \
             --scale-iterations "${MFU_ITERS:-30}" --env "STEPDEPLOY_PROFILE=${MFU_PROFILE:-25:26}" "${extra[@]}"
