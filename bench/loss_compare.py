@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without an installed stepdeploy too
 
 from stepdeploy import noderecords  # noqa: E402
+from stepdeploy.noderecords_stream import FileCursor  # noqa: E402
 
 RULE = ("within noise: mean |loss - base| <= 2 x the noise run's mean |loss - base| and max |loss - base| <= "
         "2 x the noise run's max |loss - base|")
@@ -62,11 +63,6 @@ class Run:
     repeated: int = 0  # lines for an iteration already seen (the later one kept)
     first_skip: str | None = None
     warnings: list[str] = field(default_factory=list)
-
-    def skip(self, reason: str) -> None:
-        self.skipped += 1
-        if self.first_skip is None:
-            self.first_skip = reason[:300]
 
     def describe(self) -> dict[str, Any]:
         its = sorted(self.losses)
@@ -100,35 +96,29 @@ def resolve(path: Path, match: str | None) -> Path:
 
 
 def read_run(label: str, path: Path) -> Run:
-    """The finite losses of one metrics.jsonl, per iteration (the last line of each); the other lines counted."""
+    """The finite losses of one metrics.jsonl, per iteration (the last line of each); the other lines counted.
+    Read as the controller reads a node's metrics (noderecords_stream.FileCursor: bounded lines, regular files
+    only), with a line without a finite loss counted bad like one that fails the schema."""
     run = Run(label, path)
-    source = str(path)
-    io = noderecords.Tally()  # file_lines' own findings: a line over the size limit, a file it cannot open
-    seen = 0
-    for line in noderecords.file_lines(path.resolve(), source, io):
-        seen += 1
-        if not line.strip():
-            continue
-        number = seen + io.bad.get(source, 0)  # file_lines notes an over-long line before yielding the next one
-        try:
-            record = noderecords.metrics_record(noderecords.loads(line, allow_nan=True))
-        except noderecords.BadRecord as exc:
-            run.skip(f"line {number}: {exc}")
-            continue
+
+    def with_loss(data: Any) -> dict[str, Any]:
+        record = noderecords.metrics_record(data)
         loss = record.get("loss")  # metrics_record keeps a number (NaN included) and drops anything else
         if loss is None:
-            run.skip(f"line {number}: no loss")
-            continue
+            raise noderecords.BadRecord("no loss")
         if not math.isfinite(loss):
             run.nonfinite += 1
-            run.skip(f"line {number}: loss {loss}")
-            continue
+            raise noderecords.BadRecord(f"loss {loss}")
+        return record
+
+    source = str(path)
+    tally = noderecords.Tally()
+    for record in FileCursor(path.resolve(), source, with_loss, allow_nan=True).read(tally):
         if record["iteration"] in run.losses:
             run.repeated += 1
-        run.losses[record["iteration"]] = loss  # the later line wins: a restart redid the iteration
-    for _ in range(io.bad.get(source, 0)):
-        run.skip(io.first[source])
-    run.warnings = list(io.warnings)
+        run.losses[record["iteration"]] = record["loss"]  # the later line wins: a restart redid the iteration
+    run.skipped, run.first_skip = tally.bad.get(source, 0), tally.first.get(source)
+    run.warnings = list(tally.warnings)
     if not run.losses:
         why = f" (first skipped: {run.first_skip})" if run.first_skip else " (it has no lines)"
         raise InputError(f"{path}: no line with an iteration and a finite loss{why}")

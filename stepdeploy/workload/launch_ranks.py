@@ -36,8 +36,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules (ckpt.py), also under python -I
-
 GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL of its workers
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 MAX_STATUS_BYTES = 65536  # a worker's own status file: the controller's probe reads no more (node_probe.py)
@@ -224,7 +222,10 @@ def write_record(status_dir: str, rank: int, pid: int, status: int, fields: dict
             "reason": f"{saw}, {why}; no exit record of its own", "ended": time.time()}
     # the status file as the worker writes it (metrics.RankFiles): readers see the old record or the new, never a
     # part. Imported here, on a failure only: a start stays as light as the standard library's own (launch_cost.py)
-    from ckpt import atomic_write_json
+    if __package__:  # imported as stepdeploy.workload.launch_ranks (the tests)
+        from .ckpt import atomic_write_json
+    else:  # the node's file, beside ckpt.py (main puts their directory on sys.path)
+        from ckpt import atomic_write_json
 
     atomic_write_json(Path(path), record | {"launcher_saw": saw} | fields)
 
@@ -246,4 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # sibling modules (ckpt.py), also under python -I; only when run as the node's file, so that importing this
+    # module elsewhere leaves that process's sys.path alone
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())
