@@ -30,6 +30,7 @@ import megatron_ckpt
 import megatron_resume
 import model_chunks
 import moe_stats
+import rope
 import torch
 import torch.distributed as dist
 import traces
@@ -121,8 +122,11 @@ def build(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> Run:
     dp = ps.get_data_parallel_world_size()
     micro_batches = gbs // (mbs * dp)
     overrides = config_overrides(rank, "STEPDEPLOY_MCORE_OVERRIDES")
-    config = TransformerConfig(**known_config_kwargs(transformer_config_kwargs(cfg) | overrides,
-                                                     TransformerConfig.__dataclass_fields__, rank))
+    config_kwargs = transformer_config_kwargs(cfg) | overrides
+    rope_kernel = rope.prepare(config_kwargs)  # apply_rope_fusion without TE: rope.py's kernel on megatron's path
+    if rope_kernel:
+        log(rank, rope_kernel)
+    config = TransformerConfig(**known_config_kwargs(config_kwargs, TransformerConfig.__dataclass_fields__, rank))
     resume_from = megatron_resume.skip_initialization(config, out_dir / "checkpoints", rank)
     files.phase("found", iteration=resume_from)
     trace = traces.MemoryTrace(out_dir, rank)
