@@ -118,7 +118,10 @@ if [[ $steps == *" mfu "* ]]; then
 #   MFU_MODELS=proxy-0.7b-dense MFU_VARIANTS='base= rerun= foreach=layout:mbs=8,optimizer=foreach'
 #   (rerun: the noise for bench/loss_compare.py; the planner picks MBS 8 and the fused AdamW)
 #   MFU_MODELS=step-3.5-flash-slice-1gpu MFU_VARIANTS='base= swiglu=STEPDEPLOY_MCORE_OVERRIDES={"bias_activation_fusion":true}'
-#   (megatron's fused SwiGLU: gated MLPs only; the proxies' GELU MLP without bias makes TransformerConfig refuse it)
+#   (megatron's fused SwiGLU, and layers.py's compiled clamped one: gated MLPs only; the proxies' GELU MLP without
+#   bias makes TransformerConfig refuse it)
+#   MFU_VARIANTS='base= rope=STEPDEPLOY_MCORE_OVERRIDES={"apply_rope_fusion":true}' (any model: rope.py's compiled
+#   RoPE on megatron's fused path)
 # each run is local-mfu-MODEL-TAG; compare the losses with bench/loss_compare.py
 for model in ${MFU_MODELS:-proxy-0.7b-dense proxy-0.7b-moe step-3.5-flash-slice-1gpu}; do
     for variant in ${MFU_VARIANTS:-base=}; do

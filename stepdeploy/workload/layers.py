@@ -156,11 +156,25 @@ def clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
 
 
+_COMPILED_SWIGLU: list[Any] = []
+
+
+def fused_clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """`clamped_swiglu` as one kernel each way (torch.compile) on a GPU tensor; eager elsewhere. What a clamped MLP
+    runs when TransformerConfig.bias_activation_fusion is set, as megatron's own MLP then runs its fused SwiGLU."""
+    if not x.is_cuda:
+        return clamped_swiglu(x, limit)
+    if not _COMPILED_SWIGLU:
+        _COMPILED_SWIGLU.append(torch.compile(clamped_swiglu))
+    return _COMPILED_SWIGLU[0](x, limit)
+
+
 def _clamped_mlp_forward(module: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, Any]:
     fc1, bias = module.linear_fc1(hidden_states)
     if bias is not None:
         fc1 = fc1 + bias
-    return module.linear_fc2(clamped_swiglu(fc1, module.swiglu_limit))
+    activation = fused_clamped_swiglu if module.config.bias_activation_fusion else clamped_swiglu
+    return module.linear_fc2(activation(fc1, module.swiglu_limit))
 
 
 def mlp_class(limit: float) -> type:
