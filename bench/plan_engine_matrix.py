@@ -60,6 +60,7 @@ def engine_refusal(spec: ModelSpec, layout: Any, shape: ClusterShape) -> str | N
         sys.path.insert(0, WORKLOAD)  # the engine's modules import their siblings by plain name
     import engine_megatron
     import model_chunks
+    import rope
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -71,7 +72,9 @@ def engine_refusal(spec: ModelSpec, layout: Any, shape: ClusterShape) -> str | N
     except StepdeployError as exc:
         return f"render: {exc}"
     try:
-        TransformerConfig(**engine_megatron.transformer_config_kwargs(cfg))
+        kwargs = engine_megatron.transformer_config_kwargs(cfg)
+        rope.prepare(kwargs)  # as the engine's build() does: megatron's fused RoPE path gets its kernel
+        TransformerConfig(**kwargs)
         model_chunks._te_version_without_te()
         OptimizerConfig(**model_chunks.optimizer_config_kwargs(cfg))
         DistributedDataParallelConfig(**engine_megatron.ddp_config_kwargs(cfg))

@@ -38,6 +38,9 @@ class Layout:
     dispatcher: Dispatcher = "alltoall"
     grouped_gemm: bool = True  # grouped experts where the engine has them (ETP 1); False: SequentialMLP
     cross_entropy_fusion: bool = True  # megatron-core's fused vocab-parallel cross entropy (one more fp32 copy)
+    # megatron-core's fused RoPE path (apply_rope_fusion), its kernel torch.compile'd by the engine (workload/rope.py)
+    # where TransformerEngine is absent: one kernel each way on q and k instead of about six
+    rope_fusion: bool = True
     # the routers' expert bias moves towards the mean load each step; off: it stays at zero (the control run that
     # must still fail expert_load)
     router_bias_update: bool = True

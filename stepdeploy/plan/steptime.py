@@ -90,6 +90,31 @@ OPTIMIZER_STEP_BYTES = 116
 # parameter (one kernel instead of a dozen foreach passes; the clipping and the bf16 copy stay).
 FUSED_OPTIMIZER_STEP_BYTES = 70
 OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION = {"foreach": OPTIMIZER_STEP_BYTES, "fused": FUSED_OPTIMIZER_STEP_BYTES}
+# RoPE on q and k. The efficiencies in hardware.yaml were fitted to runs with megatron's unfused RoPE (about six
+# element-wise kernels each way on each of q and k), so the unfused step is the calibrated one and the fused RoPE
+# (Layout.rope_fusion, workload/rope.py: one compiled kernel each way) takes off the time of this many bytes per
+# element of q and k at the GPU's memory bandwidth. Fitted on one H100 (2026-12-07, torch 2.11.0+cu130, megatron-core
+# 0.19.2; docs/benchmarks.md "RoPE fusion"): the dense proxy at MBS 8, three runs each, 0.6471 s unfused against
+# 0.5785 s fused; 68.6 ms over 4 micro-batches x 12 layers x 67.1M elements at 3,350 GB/s = 71 B per element (the
+# unfused kernels' ~50 B of traffic less the fused 8 B, run below the bandwidth, and their launches). Full recompute
+# runs the forward again: of those ~42 B saved, the forward's are ~20 (~24 B unfused against 4 fused; the backward
+# ~26 against 4), an estimate from the kernels, not a fit. Checked on the MoE proxy in the same call (the same
+# attention; the planner's H100 layout has full recompute): predicted 1.398 s fused, measured 1.418 s (-1.4 %).
+ROPE_UNFUSED_EXTRA_BYTES = 71
+ROPE_FORWARD_SHARE = 20 / 42
+
+
+def rope_fusion_saving(job: Job, layout: Layout, stage: PipelineStage, bandwidth_gbps: float) -> float:
+    """Seconds of one micro-batch on `stage` that the fused RoPE saves (0 unfused or without RoPE): q and k of every
+    layer, this rank's heads over its part of the sequence."""
+    spec = job.model
+    if not layout.rope_fusion or spec.position_embedding_type != "rope":
+        return 0.0
+    tokens = layout.mbs * job.seq_length / layout.cp
+    heads = sum(layer.shape.num_heads + spec.num_query_groups for layer in stage.layers)
+    elements = tokens * heads * spec.kv_channels / layout.tp
+    passes = 1 + (ROPE_FORWARD_SHARE if layout.recompute == "full" else 0.0)  # selective recompute skips RoPE
+    return elements * ROPE_UNFUSED_EXTRA_BYTES * passes / (bandwidth_gbps * GB)
 
 
 def overlap(gpu: float, host: float) -> float:
@@ -217,7 +242,8 @@ def predict_step_time(
     for stage in stages(params, job, layout):
         flops = stage_flops_per_token(params, job.model, stage.layers, stage.last, job.seq_length, layout)
         per_gpu = tokens_per_mb / (layout.tp * layout.cp)
-        compute.append(per_gpu * (flops.dense / eff.dense + flops.expert / expert_eff) / peak)
+        compute.append(per_gpu * (flops.dense / eff.dense + flops.expert / expert_eff) / peak
+                       - rope_fusion_saving(job, layout, stage, cluster.gpu.memory_bandwidth_gbps))
         stall = 0.0
         if layout.ep > 1 and layout.grouped_experts:
             stall = EP_SYNC_STALL_S * sum(1 for layer in stage.layers if layer.shape.ffn == "moe")

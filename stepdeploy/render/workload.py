@@ -124,6 +124,7 @@ def _parallel(layout: Layout, num_layers: int) -> dict[str, Any]:
         # megatron engine's MoE experts: torch._grouped_mm (experts_grouped.py, ETP 1 only) or SequentialMLP
         "experts": "grouped_mm" if layout.grouped_experts else "sequential",
         "cross_entropy_fusion": layout.cross_entropy_fusion,
+        "rope_fusion": layout.rope_fusion,
         **({} if layout.router_bias_update else {"router_bias_update": False}),  # the engines' default: on
         # megatron-core's combined 1F1B overlap of the expert-parallel all-to-all (only when the layout asks)
         **({"overlap_moe_expert_parallel_comm": True} if layout.overlap_moe_expert_parallel_comm else {}),

@@ -44,7 +44,10 @@ def transformer_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         "bf16": True, "params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16,
         # Fusions that need apex or TransformerEngine are off; torch SDPA replaces the unfused attention.
         "gradient_accumulation_fusion": False, "bias_activation_fusion": False, "masked_softmax_fusion": False,
-        "persist_layer_norm": False, "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+        # RoPE through megatron-core's fused path; without TE its kernel is rope.py's (the engine installs it before
+        # building the config): measured on one H100, the dense proxy's step 0.647 -> 0.579 s (docs/benchmarks.md)
+        "apply_rope_fusion": p.get("rope_fusion", True) and m["position_embedding_type"] == "rope",
         # megatron-core's own fused vocab-parallel cross-entropy (no TE needed): measured on one H200, dense
         # proxy MBS 4: 59.4 % MFU against 58.3 % unfused, +1 GiB peak (docs/benchmarks.md, 2026-11-29)
         "cross_entropy_loss_fusion": p.get("cross_entropy_fusion", True), "cross_entropy_fusion_impl": "native",

@@ -35,7 +35,10 @@ def test_summarize_compares_the_recorded_runs_with_the_plan(tmp_path: Path) -> N
         shutil.copy(metrics, tmp_path / metrics.name)
     for name in ("foreach", "offload"):
         (tmp_path / f"launch-{name}.log").write_text("h200 | [rank 0] exit 0: finished\nexit 0 after 50 s\n")
-    env = os.environ | {"PYTHON": sys.executable}
+    # the recorded runs (2026-12-02) predate the fused RoPE: the plans they are compared with must not assume it
+    layouts = ("foreach=mbs=4,rope-fusion=off fused=mbs=4,optimizer=fused,rope-fusion=off "
+               "offload=mbs=4,offload=on,precision_aware_optimizer=on,rope-fusion=off")
+    env = os.environ | {"PYTHON": sys.executable, "LAYOUTS": layouts}
     done = subprocess.run(["bash", "bench/gpu_optim.sh", "--summarize", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr  # the fused layout has no run: incomplete
@@ -51,7 +54,7 @@ def test_summarize_compares_the_recorded_runs_with_the_plan(tmp_path: Path) -> N
         assert row["ratio"]["peak"] == pytest.approx(1.0, abs=0.05)
     assert offload["plan"]["optimizer_assumed"]["device"] == "host"
     assert rows["fused"]["measured"] is None and rows["fused"]["plan"]["optimizer_assumed"]["implementation"] == "fused"
-    assert "| `mbs=4,optimizer=fused` | fused on gpu | - | - |" in done.stdout
+    assert "| `mbs=4,optimizer=fused,rope-fusion=off` | fused on gpu | - | - |" in done.stdout
 
 
 def test_summarize_without_a_directory_is_one_error_line(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def test_dense_proxy_on_one_h200_predicts_the_measured_throughput() -> None:
     time = predict_step_time(
         count_parameters(spec),
         Job(spec, 2048, 32, 1),
-        Layout(mbs=4),
+        Layout(mbs=4, rope_fusion=False),  # measured before the fused RoPE
         cluster_shape(1, 1, "H200", "ib-400g"),
         load_hardware(),
     )
@@ -60,7 +60,7 @@ def test_moe_proxy_with_sequential_experts_predicts_the_measured_mfu() -> None:
     time = predict_step_time(
         count_parameters(spec),
         Job(spec, 2048, 32, 1),
-        Layout(mbs=4, grouped_gemm=False),
+        Layout(mbs=4, grouped_gemm=False, rope_fusion=False),
         cluster_shape(1, 1, "H200", "ib-400g"),
         load_hardware(),
     )

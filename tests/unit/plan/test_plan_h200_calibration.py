@@ -45,7 +45,8 @@ def _shape(gpus: int) -> ClusterShape:
 
 def _verdict(model: str, gpus: int, layout: str, experts: str = SEQ, gbs: int = 32):
     spec = load_model(model)
-    given = parse_layout(f"{layout},grouped_gemm={'on' if experts == GRP else 'off'}")
+    # the runs predate the fused RoPE (2026-12-07): megatron's unfused RoPE ran in them
+    given = parse_layout(f"{layout},grouped_gemm={'on' if experts == GRP else 'off'},rope-fusion=off")
     return judge(count_parameters(spec), Job(spec, 2048, gbs, gpus), given, _shape(gpus), load_hardware())
 
 

@@ -11,6 +11,7 @@ from stepdeploy.plan.layout import Layout, parse_layout, stage_layer_counts
 def test_parse_layout_reads_numbers_words_and_aliases() -> None:
     layout = parse_layout("tp=8, pp=2, ep=4, recompute=full, dist-opt=off, mbs=2")
     assert layout == Layout(tp=8, pp=2, ep=4, recompute="full", distributed_optimizer=False, mbs=2)
+    assert Layout().rope_fusion and parse_layout("rope-fusion=off") == Layout(rope_fusion=False)
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,7 @@ def test_gpu_inventory_gets_the_planners_layout_for_the_megatron_engine(tmp_path
     workload = json.loads((out / "workload.json").read_text())
     assert workload["parallel"]["cp"] == 1 and workload["parallel"]["experts"] == "grouped_mm"
     assert workload["parallel"]["sequence_parallel"] is False and workload["parallel"]["cross_entropy_fusion"] is True
+    assert workload["parallel"]["rope_fusion"] is True
     assert workload["peak_tflops"] == 790.0
     assert "NCCL_NVLS_ENABLE=0" in (out / "nodes/0-h200/env.sh").read_text()
 

@@ -38,7 +38,10 @@ def megatron_on_cpu(rank: int, world: int, port: int) -> None:
     `world` ranks on 127.0.0.1:port, and have gloo carry megatron's collectives one by one."""
     sys.path.insert(0, str(WORKLOAD))
     cuda_on_cpu()
+    import rope
     import torch.distributed as dist
+
+    rope.install()  # megatron's fused RoPE path, as the engine's build() sets it up (rope.prepare) for its config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

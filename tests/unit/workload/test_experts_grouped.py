@@ -228,6 +228,7 @@ def test_sharding_with_ep2_and_expert_data_parallel_2_is_valid(tmp_path: Any) ->
 @pytest.mark.parametrize("choice", ["grouped_mm", "sequential"])
 def test_engine_layer_spec_switch(megatron_single_rank: None, choice: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import engine_megatron
+    import rope
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from stepdeploy.catalog import load_model
@@ -244,6 +245,7 @@ def test_engine_layer_spec_switch(megatron_single_rank: None, choice: str, monke
         "bf16": False, "params_dtype": torch.float32, "pipeline_dtype": torch.float32,
         "use_cpu_initialization": True, "moe_token_dispatcher_type": "allgather",
         "moe_shared_expert_overlap": False}
+    rope.prepare(kwargs)  # as the engine's build() does
     gpt = engine_megatron.build_model(cfg, TransformerConfig(**kwargs))
     kinds = [type(m).__name__ for m in gpt.modules() if type(m).__name__ in ("GroupedMMExperts", "SequentialMLP")]
     assert kinds == ["GroupedMMExperts" if choice == "grouped_mm" else "SequentialMLP"] * 3  # layers 1-3 are MoE

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 mcore = pytest.importorskip("megatron.core", reason="megatron-core not importable (pip install megatron-core==0.16.1)")
 import data  # noqa: E402
 import engine_megatron  # noqa: E402
+import rope  # noqa: E402
 import synthetic  # noqa: E402  (tests/unit/workload/conftest.py puts the workload directory on sys.path)
 
 
@@ -42,6 +43,10 @@ def test_plan_maps_to_megatron_config_and_parallel_sizes() -> None:
     dense = engine_megatron.transformer_config_kwargs(cfg_for("tiny-dense", Layout()))
     assert "num_moe_experts" not in dense and dense["sequence_parallel"] is False
     assert dense["activation_func"] is torch.nn.functional.silu
+    # the fused RoPE path by default (rope.py's kernel without TE); off when the layout says so
+    assert kwargs["apply_rope_fusion"] is True and dense["apply_rope_fusion"] is True
+    unfused = engine_megatron.transformer_config_kwargs(cfg_for("tiny-dense", Layout(rope_fusion=False)))
+    assert unfused["apply_rope_fusion"] is False
 
 
 @pytest.mark.parametrize(("layout", "param_gather"), [
@@ -75,6 +80,7 @@ def test_model_builds_on_cpu_with_sdpa_attention_and_learns(model: str, megatron
                "use_cpu_initialization": True}
     if "num_moe_experts" in kwargs:  # 0.16.1's alltoall dispatcher allocates a torch.cuda.Stream at build time
         kwargs["moe_token_dispatcher_type"] = "allgather"
+    rope.prepare(kwargs)  # as the engine's build() does
     gpt = engine_megatron.build_model(cfg, TransformerConfig(**kwargs))
     assert sum(p.numel() for p in gpt.parameters()) == count_parameters(load_model(model)).total
     cores = [m for m in gpt.modules() if type(m).__name__ == "SdpaAttention"]
