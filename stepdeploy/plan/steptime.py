@@ -94,12 +94,12 @@ OPTIMIZER_STEP_BYTES_BY_IMPLEMENTATION = {"foreach": OPTIMIZER_STEP_BYTES, "fuse
 # element-wise kernels each way on each of q and k), so the unfused step is the calibrated one and the fused RoPE
 # (Layout.rope_fusion, workload/rope.py: one compiled kernel each way) takes off the time of this many bytes per
 # element of q and k at the GPU's memory bandwidth. Fitted on one H100 (2026-12-07, torch 2.11.0+cu130, megatron-core
-# 0.19.2; docs/benchmarks.md "RoPE fusion"): the dense proxy at MBS 8, three runs each, 0.6471 s unfused against
-# 0.5785 s fused; 68.6 ms over 4 micro-batches x 12 layers x 67.1M elements at 3,350 GB/s = 71 B per element (the
-# unfused kernels' ~50 B of traffic less the fused 8 B, run below the bandwidth, and their launches). Full recompute
-# runs the forward again: of those ~42 B saved, the forward's are ~20 (~24 B unfused against 4 fused; the backward
-# ~26 against 4), an estimate from the kernels, not a fit. Checked on the MoE proxy in the same call (the same
-# attention; the planner's H100 layout has full recompute): predicted 1.398 s fused, measured 1.418 s (-1.4 %).
+# 0.19.2; docs/benchmarks.md "Issue 40", calls BE-BH): the dense proxy at MBS 8, three runs each, 0.6471 s unfused
+# against 0.5785 s fused; 68.6 ms over 4 micro-batches x 12 layers x 67.1M elements at 3,350 GB/s = 71 B per element
+# (the unfused kernels' ~50 B of traffic less the fused 8 B, run below the bandwidth, and their launches). Full
+# recompute runs the forward again: of those ~42 B saved, the forward's are ~20 (~24 B unfused against 4 fused; the
+# backward ~26 against 4), an estimate from the kernels, not a fit. Checked on the MoE proxy in the same call (the
+# same attention; the planner's H100 layout has full recompute): predicted 1.398 s fused, measured 1.418 s (-1.4 %).
 ROPE_UNFUSED_EXTRA_BYTES = 71
 ROPE_FORWARD_SHARE = 20 / 42
 
