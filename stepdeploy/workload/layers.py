@@ -162,7 +162,7 @@ _COMPILED_SWIGLU: list[Any] = []
 def fused_clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
     """`clamped_swiglu` as one kernel each way (torch.compile) on a GPU tensor; eager elsewhere. What a clamped MLP
     runs when TransformerConfig.bias_activation_fusion is set, as megatron's own MLP then runs its fused SwiGLU."""
-    if not x.is_cuda:
+    if x.device.type != "cuda":
         return clamped_swiglu(x, limit)
     if not _COMPILED_SWIGLU:
         _COMPILED_SWIGLU.append(torch.compile(clamped_swiglu))

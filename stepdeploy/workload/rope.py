@@ -42,7 +42,7 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
     del transpose_output_memory  # a layout hint TE itself ignores
     if interleaved:
         raise ValueError("rope.py's fused RoPE does rotate-half only, not rotary_interleaved")
-    if not t.is_cuda:
+    if t.device.type != "cuda":  # the device itself, not is_cuda (which a CPU test of the offload redefines)
         return rope_bshd(t, freqs)
     if not _COMPILED:
         # shapes differ per layer kind (heads, rotary dims): dynamic=None lets dynamo generalise after the first
