@@ -120,8 +120,9 @@ if [[ $steps == *" mfu "* ]]; then
 #   MFU_MODELS=step-3.5-flash-slice-1gpu MFU_VARIANTS='base= swiglu=STEPDEPLOY_MCORE_OVERRIDES={"bias_activation_fusion":true}'
 #   (megatron's fused SwiGLU, and layers.py's compiled clamped one: gated MLPs only; the proxies' GELU MLP without
 #   bias makes TransformerConfig refuse it)
-#   MFU_VARIANTS='base= unfused=STEPDEPLOY_MCORE_OVERRIDES={"apply_rope_fusion":false}' (any model: megatron's
-#   unfused RoPE, the engine before rope.py's compiled one became the default, calls BE-BH)
+#   MFU_MODELS=proxy-0.7b-dense MFU_VARIANTS='base= unfused=layout:mbs=8,optimizer=fused,rope-fusion=off'
+#   (megatron's unfused RoPE, the engine before rope.py's compiled one became the default, calls BE-BH; as a layout,
+#   so that the rendered plan knows it too)
 # each run is local-mfu-MODEL-TAG; compare the losses with bench/loss_compare.py
 for model in ${MFU_MODELS:-proxy-0.7b-dense proxy-0.7b-moe step-3.5-flash-slice-1gpu}; do
     for variant in ${MFU_VARIANTS:-base=}; do

@@ -242,8 +242,9 @@ def predict_step_time(
     for stage in stages(params, job, layout):
         flops = stage_flops_per_token(params, job.model, stage.layers, stage.last, job.seq_length, layout)
         per_gpu = tokens_per_mb / (layout.tp * layout.cp)
-        compute.append(per_gpu * (flops.dense / eff.dense + flops.expert / expert_eff) / peak
-                       - rope_fusion_saving(job, layout, stage, cluster.gpu.memory_bandwidth_gbps))
+        # (never below zero: the bytes term is fitted on 2,048-wide models and would outgrow a tiny model's compute)
+        compute.append(max(0.0, per_gpu * (flops.dense / eff.dense + flops.expert / expert_eff) / peak
+                           - rope_fusion_saving(job, layout, stage, cluster.gpu.memory_bandwidth_gbps)))
         stall = 0.0
         if layout.ep > 1 and layout.grouped_experts:
             stall = EP_SYNC_STALL_S * sum(1 for layer in stage.layers if layer.shape.ffn == "moe")

@@ -123,9 +123,9 @@ def build(cfg: dict[str, Any], out_dir: Path, files: RankFiles) -> Run:
     micro_batches = gbs // (mbs * dp)
     overrides = config_overrides(rank, "STEPDEPLOY_MCORE_OVERRIDES")
     config_kwargs = transformer_config_kwargs(cfg) | overrides
-    rope_kernel = rope.prepare(config_kwargs)  # apply_rope_fusion without TE: rope.py's kernel on megatron's path
-    if rope_kernel:
-        log(rank, rope_kernel)
+    rope_note = rope.prepare(config_kwargs)  # apply_rope_fusion without TE: rope.py's kernel on megatron's path
+    if rope_note:
+        log(rank, rope_note)
     config = TransformerConfig(**known_config_kwargs(config_kwargs, TransformerConfig.__dataclass_fields__, rank))
     resume_from = megatron_resume.skip_initialization(config, out_dir / "checkpoints", rank)
     files.phase("found", iteration=resume_from)

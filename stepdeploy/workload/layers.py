@@ -28,6 +28,7 @@ from typing import Any
 
 import attention
 import experts_grouped
+import rope
 import torch
 import torch.nn.functional as F
 
@@ -156,7 +157,7 @@ def clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
 
 
-_COMPILED_SWIGLU: list[Any] = []
+_COMPILED_SWIGLU = rope.CompiledOrEager(clamped_swiglu, "layers.py clamped SwiGLU")
 
 
 def fused_clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
@@ -164,9 +165,7 @@ def fused_clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
     runs when TransformerConfig.bias_activation_fusion is set, as megatron's own MLP then runs its fused SwiGLU."""
     if x.device.type != "cuda":
         return clamped_swiglu(x, limit)
-    if not _COMPILED_SWIGLU:
-        _COMPILED_SWIGLU.append(torch.compile(clamped_swiglu))
-    return _COMPILED_SWIGLU[0](x, limit)
+    return _COMPILED_SWIGLU(x, limit)
 
 
 def _clamped_mlp_forward(module: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, Any]:

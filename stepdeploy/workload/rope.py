@@ -10,7 +10,11 @@ which case TransformerConfig refuses the flag.
 `install()` puts a torch.compile'd version of megatron's own unfused formula there (inductor makes the whole
 formula one kernel forward and one backward), so that megatron's fused path runs and TransformerConfig accepts the
 flag. The arithmetic is megatron's; inductor keeps intermediates in fp32 where eager rounds each to bf16, so results
-agree to bf16 rounding, not bit for bit. On a CPU tensor it runs eagerly (tests, the simulated cluster).
+agree to bf16 rounding, not bit for bit. On a CPU tensor it runs eagerly (tests, the simulated cluster); where
+torch.compile fails on a node, eagerly from then on, with one log line (`CompiledOrEager`).
+
+Where TE is present its kernel stays (the planner's RoPE term was fitted on this module's). Packed sequences (thd,
+`cu_seqlens`) would need TE's `fused_apply_rotary_pos_emb_thd`, which nothing here provides: the engine packs none.
 
 Standard library + torch (+ megatron-core's rope_utils module for `install`).
 """
@@ -33,7 +37,32 @@ def rope_bshd(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((x * cos + rotated * sin, passthrough), dim=-1)
 
 
-_COMPILED: list[Any] = []
+class CompiledOrEager:
+    """`fn` through torch.compile (`compiler`), or `fn` itself from the first call on which compiling or running the
+    compiled code raises (no compiler or triton on the node): said once on stdout. An error of the inputs raises
+    again from the eager call, so nothing is hidden."""
+
+    def __init__(self, fn: Any, name: str, compiler: Any = torch.compile) -> None:
+        self.fn, self.name, self._compile = fn, name, compiler
+        self._compiled: Any = None
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.failed:
+            try:
+                if self._compiled is None:
+                    self._compiled = self._compile(self.fn)
+                return self._compiled(*args)
+            except Exception as exc:  # any compiler failure: eager from now on
+                self.failed = True
+                print(f"{self.name}: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); eager from now on",
+                      flush=True)
+        return self.fn(*args)
+
+
+# shapes differ per layer kind (heads, rotary dims): torch.compile's default dynamic=None generalises a dimension
+# after its first recompile instead of hitting the recompile limit on a model with many kinds of layer
+_KERNEL = CompiledOrEager(rope_bshd, "rope.py")
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
@@ -44,11 +73,7 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
         raise ValueError("rope.py's fused RoPE does rotate-half only, not rotary_interleaved")
     if t.device.type != "cuda":  # the device itself, not is_cuda (which a CPU test of the offload redefines)
         return rope_bshd(t, freqs)
-    if not _COMPILED:
-        # shapes differ per layer kind (heads, rotary dims): dynamic=None lets dynamo generalise after the first
-        # recompile instead of hitting its recompile limit on a model with many kinds of layer
-        _COMPILED.append(torch.compile(rope_bshd))
-    return _COMPILED[0](t, freqs)
+    return _KERNEL(t, freqs)
 
 
 def prepare(config_kwargs: dict[str, Any]) -> str | None:

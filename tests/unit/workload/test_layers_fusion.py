@@ -64,10 +64,8 @@ def test_the_clamped_swiglu_compiles_to_one_graph_and_matches_eager() -> None:
     assert (F.silu(gate) > LIMIT).any() and (up.abs() > LIMIT).any()  # both clamps bind somewhere
     try:
         out = compiled(x, LIMIT)
-    except Exception as exc:  # no working C++ toolchain for inductor's CPU code
-        if "compiler" in str(exc).lower() or "cpp" in str(exc).lower():
-            pytest.skip(f"inductor cannot build on this machine: {str(exc)[:120]}")
-        raise
+    except torch._dynamo.exc.BackendCompilerFailed as exc:  # no working C++ toolchain for inductor's CPU code
+        pytest.skip(f"inductor cannot build on this machine: {str(exc)[:120]}")
     eager_in = x.detach().clone().requires_grad_()
     eager = layers.clamped_swiglu(eager_in, LIMIT)
     torch.testing.assert_close(out, eager)

@@ -126,23 +126,47 @@ def test_megatrons_fused_path_in_the_engines_model_gives_the_unfused_result(
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, fused_grads, strict=True))
 
 
-def test_the_formula_compiles_to_one_graph_and_matches_eager() -> None:
+@pytest.mark.parametrize("rot_dim", [HEAD_DIM, HEAD_DIM // 2])
+def test_the_formula_compiles_to_one_graph_and_matches_eager(rot_dim: int) -> None:
+    """As on a GPU: one compiled function for every kind of layer (the slice's full and sliding layers differ in head
+    count and rotated width; q and k in head count), default dynamic shapes, each shape matching eager."""
     pytest.importorskip("torch._inductor")
     torch._dynamo.reset()
     compiled = torch.compile(rope.rope_bshd, fullgraph=True)  # a graph break would raise here
-    torch.manual_seed(4)
-    t = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM, requires_grad=True)
-    freqs = angles(HEAD_DIM // 2)
-    try:
-        out = compiled(t, freqs)
-    except Exception as exc:  # no working C++ toolchain for inductor's CPU code
-        if "compiler" in str(exc).lower() or "cpp" in str(exc).lower():
+    freqs = angles(rot_dim)
+    for heads in (HEADS, 2 * HEADS, 1):
+        t = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=torch.Generator().manual_seed(heads),
+                        requires_grad=True)
+        try:
+            out = compiled(t, freqs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:  # no working C++ toolchain for inductor's CPU code
             pytest.skip(f"inductor cannot build on this machine: {str(exc)[:120]}")
-        raise
-    eager_in = t.detach().clone().requires_grad_()
-    eager = rope.rope_bshd(eager_in, freqs)
-    torch.testing.assert_close(out, eager)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    eager.backward(grad)
-    torch.testing.assert_close(t.grad, eager_in.grad)
+        eager_in = t.detach().clone().requires_grad_()
+        eager = rope.rope_bshd(eager_in, freqs)
+        torch.testing.assert_close(out, eager)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        eager.backward(grad)
+        torch.testing.assert_close(t.grad, eager_in.grad)
+
+
+def test_a_failing_compiler_falls_back_to_eager_once_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    compiled_calls: list[int] = []
+
+    def broken_compiler(fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            compiled_calls.append(1)
+            raise RuntimeError("no triton")
+        return run
+
+    kernel = rope.CompiledOrEager(rope.rope_bshd, "rope.py", compiler=broken_compiler)
+    t, freqs = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM), angles(HEAD_DIM)
+    assert torch.equal(kernel(t, freqs), rope.rope_bshd(t, freqs))
+    assert torch.equal(kernel(t, freqs), rope.rope_bshd(t, freqs))
+    assert kernel.failed and len(compiled_calls) == 1  # not tried again
+    said = capsys.readouterr().out
+    assert said.count("torch.compile failed (RuntimeError: no triton); eager from now on") == 1
+    working = rope.CompiledOrEager(rope.rope_bshd, "rope.py", compiler=lambda fn: (lambda *a: fn(*a) * 2))
+    assert torch.equal(working(t, freqs), 2 * rope.rope_bshd(t, freqs)) and not working.failed
+    with pytest.raises(RuntimeError):  # the inputs' own error is not hidden by the eager retry
+        kernel(torch.randn(SEQ, BATCH, HEADS, HEAD_DIM), angles(HEAD_DIM, seq=SEQ + 1))
