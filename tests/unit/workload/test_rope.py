@@ -15,6 +15,8 @@ pytest.importorskip("megatron.core", reason="megatron-core not importable (pip i
 import rope  # noqa: E402  (tests/unit/workload/conftest.py puts the workload directory on sys.path)
 from megatron.core.models.common.embeddings import rope_utils  # noqa: E402
 
+from tests.unit.workload.compiled_check import assert_compiled_matches_eager  # noqa: E402
+
 SEQ, BATCH, HEADS, HEAD_DIM = 12, 2, 3, 16
 
 
@@ -135,19 +137,8 @@ def test_the_formula_compiles_to_one_graph_and_matches_eager(rot_dim: int) -> No
     compiled = torch.compile(rope.rope_bshd, fullgraph=True)  # a graph break would raise here
     freqs = angles(rot_dim)
     for heads in (HEADS, 2 * HEADS, 1):
-        t = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=torch.Generator().manual_seed(heads),
-                        requires_grad=True)
-        try:
-            out = compiled(t, freqs)
-        except torch._dynamo.exc.BackendCompilerFailed as exc:  # no working C++ toolchain for inductor's CPU code
-            pytest.skip(f"inductor cannot build on this machine: {str(exc)[:120]}")
-        eager_in = t.detach().clone().requires_grad_()
-        eager = rope.rope_bshd(eager_in, freqs)
-        torch.testing.assert_close(out, eager)
-        grad = torch.randn_like(out)
-        out.backward(grad)
-        eager.backward(grad)
-        torch.testing.assert_close(t.grad, eager_in.grad)
+        t = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=torch.Generator().manual_seed(heads))
+        assert_compiled_matches_eager(compiled, rope.rope_bshd, t, freqs)
 
 
 def test_a_failing_compiler_falls_back_to_eager_once_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
