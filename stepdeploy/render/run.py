@@ -37,7 +37,8 @@ WORKLOAD_MODULES = ("train.py", "engine_torch.py", "engine_megatron.py", "megatr
                     "megatron_writer.py", "model_chunks.py", "experts_grouped.py", "attention.py", "layers.py",
                     "moe_stats.py", "schedule.py", "synthetic.py", "data.py", "indexed.py", "traces.py", "ckpt.py",
                     "ckpt_read.py", "ckpt_room.py", "torch_ckpt.py", "compile_warm.py", "host_copy.py",
-                    "megatron_state.py", "megatron_model.py", "metrics.py", "launch_ranks.py", "rope.py")
+                    "megatron_state.py", "megatron_model.py", "metrics.py", "launch_ranks.py", "rope.py",
+                    "compiled.py")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import attention
 import experts_grouped
-import rope
 import torch
 import torch.nn.functional as F
+from compiled import CompiledOrEager
 
 _CACHE: dict[Any, type] = {}
 
@@ -157,7 +157,7 @@ def clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
 
 
-_COMPILED_SWIGLU = rope.CompiledOrEager(clamped_swiglu, "layers.py clamped SwiGLU")
+_COMPILED_SWIGLU = CompiledOrEager(clamped_swiglu, "layers.py clamped SwiGLU")
 
 
 def fused_clamped_swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:

@@ -11,12 +11,12 @@ which case TransformerConfig refuses the flag.
 formula one kernel forward and one backward), so that megatron's fused path runs and TransformerConfig accepts the
 flag. The arithmetic is megatron's; inductor keeps intermediates in fp32 where eager rounds each to bf16, so results
 agree to bf16 rounding, not bit for bit. On a CPU tensor it runs eagerly (tests, the simulated cluster); where
-torch.compile fails on a node, eagerly from then on, with one log line (`CompiledOrEager`).
+torch.compile fails on a node, eagerly from then on, with one log line (compiled.py's `CompiledOrEager`).
 
 Where TE is present its kernel stays (the planner's RoPE term was fitted on this module's). Packed sequences (thd,
 `cu_seqlens`) would need TE's `fused_apply_rotary_pos_emb_thd`, which nothing here provides: the engine packs none.
 
-Standard library + torch (+ megatron-core's rope_utils module for `install`).
+Standard library + torch + compiled.py (+ megatron-core's rope_utils module for `install`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from compiled import CompiledOrEager
 
 
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -35,29 +36,6 @@ def rope_bshd(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     first, second = torch.chunk(x, 2, dim=-1)
     rotated = torch.cat((-second, first), dim=-1)
     return torch.cat((x * cos + rotated * sin, passthrough), dim=-1)
-
-
-class CompiledOrEager:
-    """`fn` through torch.compile (`compiler`), or `fn` itself from the first call on which compiling or running the
-    compiled code raises (no compiler or triton on the node): said once on stdout. An error of the inputs raises
-    again from the eager call, so nothing is hidden."""
-
-    def __init__(self, fn: Any, name: str, compiler: Any = torch.compile) -> None:
-        self.fn, self.name, self._compile = fn, name, compiler
-        self._compiled: Any = None
-        self.failed = False
-
-    def __call__(self, *args: Any) -> Any:
-        if not self.failed:
-            try:
-                if self._compiled is None:
-                    self._compiled = self._compile(self.fn)
-                return self._compiled(*args)
-            except Exception as exc:  # any compiler failure: eager from now on
-                self.failed = True
-                print(f"{self.name}: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); eager from now on",
-                      flush=True)
-        return self.fn(*args)
 
 
 # shapes differ per layer kind (heads, rotary dims): torch.compile's default dynamic=None generalises a dimension
